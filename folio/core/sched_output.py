@@ -1,0 +1,94 @@
+"""The contracts between the engine core and the worker, both ways, as plain picklable Python.
+
+Down: ``SchedulerOutput`` (what to compute this step). Up: ``ModelRunnerOutput`` (what was sampled).
+Out of the core to the frontend: ``EngineCoreOutput``. ``Request`` objects never cross (DESIGN.md convention 2).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from folio.request import FinishReason
+from folio.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the worker has not seen (or dropped after preemption): sent in full once."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # non-empty when a preempted request resumes (recompute)
+    sampling_params: SamplingParams
+    block_ids: list[int]  # the whole block table for the request
+    num_computed_tokens: int  # tokens whose K/V already sit in block_ids (prefix hit / fork)
+
+
+@dataclass
+class CachedRequestData:
+    """Diffs for requests the worker already holds, as parallel lists indexed like ``req_ids``."""
+
+    req_ids: list[str] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)  # appended to the block table
+    # (index in the block table, new block id) for blocks replaced by copy-on-write this step
+    replaced_block_ids: list[list[tuple[int, int]]] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)  # before this step's tokens
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]  # req_id -> tokens computed this step
+    total_num_scheduled_tokens: int
+    finished_req_ids: set[str]  # finished or aborted since the last step: the worker drops them
+    preempted_req_ids: set[str]  # preempted this step: the worker drops them (they come back as new)
+    # Copy-on-write plans, executed by the worker before the forward: copy K/V of src block into dst block.
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+
+    @staticmethod
+    def make_empty() -> SchedulerOutput:
+        return SchedulerOutput([], CachedRequestData(), {}, 0, set(), set(), [])
+
+
+@dataclass
+class LogprobsLists:
+    """Logprobs at a run of positions. Row i: the chosen token first, then the top-k by logprob.
+
+    For sampled tokens the chosen token is the sampled one; for prompt logprobs it is the next prompt token.
+    """
+
+    token_ids: list[list[int]]  # [num_positions][1 + k]
+    logprobs: list[list[float]]  # [num_positions][1 + k]
+    ranks: list[int]  # [num_positions] rank of the chosen token (1 = most likely)
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What the worker computed; rows follow ``req_ids``."""
+
+    req_ids: list[str]
+    # [] for a request whose scheduled chunk did not reach the end of its tokens (partial prefill)
+    sampled_token_ids: list[list[int]]
+    logprobs: list[LogprobsLists | None]
+    # req_id -> prompt logprobs for the prompt positions computed this step (token i+1 given 0..i)
+    prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
+
+
+@dataclass
+class EngineCoreOutput:
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    new_logprobs: LogprobsLists | None = None
+    new_prompt_logprobs: LogprobsLists | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
