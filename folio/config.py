@@ -91,7 +91,9 @@ class EngineArgs:
         """Resolve defaults that depend on the model; ``model_max_len`` is the model's context length."""
         max_model_len = self.max_model_len or model_max_len
         if max_model_len > model_max_len:
-            raise ValueError(f"max_model_len must be <= the model's context length {model_max_len}, got {max_model_len}")
+            raise ValueError(
+                f"max_model_len must be <= the model's context length {model_max_len}, got {max_model_len}"
+            )
         if max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
         max_num_batched_tokens = self.max_num_batched_tokens or 2048

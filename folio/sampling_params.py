@@ -84,7 +84,9 @@ class SamplingParams:
         )
         _check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens", ">= 0", self.min_tokens)
         if self.max_tokens is not None:
-            _check(self.min_tokens <= self.max_tokens, "min_tokens", f"<= max_tokens={self.max_tokens}", self.min_tokens)
+            _check(
+                self.min_tokens <= self.max_tokens, "min_tokens", f"<= max_tokens={self.max_tokens}", self.min_tokens
+            )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             _check(value is None or (isinstance(value, int) and 0 <= value <= 20), name, "in [0, 20]", value)

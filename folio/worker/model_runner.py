@@ -1,0 +1,127 @@
+"""ModelRunner: SchedulerOutput -> model inputs -> forward -> sample -> ModelRunnerOutput. No policy here.
+
+What to compute is decided by the scheduler; the runner only keeps its copy of each request current, executes
+copy-on-write plans, runs the model on the flattened batch and samples where a request reached its last token.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from folio.core.sched_output import LogprobsLists, ModelRunnerOutput, SchedulerOutput
+from folio.model.llama import LlamaForCausalLM
+from folio.sample.logprobs import compute_prompt_logprobs
+from folio.sample.metadata import SamplingMetadata
+from folio.sample.sampler import Sampler
+from folio.worker.input_batch import ModelInput, prepare_model_input
+from folio.worker.request_state import CachedRequestState, RequestStates
+
+_SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (seed, step) pairs over the 64-bit space
+
+
+def step_seed(seed: int, num_output_tokens: int) -> int:
+    """Seed for a seeded request's draw at one output position.
+
+    Stateless per position, so a request gives the same tokens alone, inside any batch, and after a
+    preemption that recomputes it (a stateful generator would be lost or replayed when the worker drops it).
+    """
+    return (seed * _SEED_MIX + num_output_tokens) % (2**63)
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_caches: list[torch.Tensor],
+        block_size: int,
+        vocab_size: int,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches  # per layer [2, num_blocks, block_size, num_kv_heads, head_dim]
+        self.block_size = block_size
+        self.vocab_size = vocab_size
+        self.device = device
+        self.requests = RequestStates()
+        self.sampler = Sampler()
+
+    @torch.inference_mode()
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(sched)
+        if sched.block_copies:
+            self._copy_blocks(sched.block_copies)
+        if sched.total_num_scheduled_tokens == 0:
+            return ModelRunnerOutput([], [], [])
+        req_ids = list(sched.num_scheduled_tokens)
+        states = [self.requests[r] for r in req_ids]
+        model_input = prepare_model_input(
+            states, [sched.num_scheduled_tokens[r] for r in req_ids], self.block_size, self.device
+        )
+        hidden = self.model(model_input.input_ids, model_input.positions, self.kv_caches, model_input.attn)
+        logits = self.model.compute_logits(hidden[model_input.logits_indices])  # [S + P, vocab]
+        num_sampled = len(model_input.sample_req_ids)
+        sampled = self._sample(logits[:num_sampled], model_input)
+        prompt_logprobs = self._prompt_logprobs(logits[num_sampled:], model_input)
+        return ModelRunnerOutput(
+            req_ids=req_ids,
+            sampled_token_ids=[sampled.get(r, ([], None))[0] for r in req_ids],
+            logprobs=[sampled.get(r, ([], None))[1] for r in req_ids],
+            prompt_logprobs=prompt_logprobs,
+        )
+
+    def _update_states(self, sched: SchedulerOutput) -> None:
+        self.requests.remove(sched.finished_req_ids | sched.preempted_req_ids)
+        self.requests.add_new(sched.scheduled_new_reqs)
+        self.requests.apply_diffs(sched.scheduled_cached_reqs)
+
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write: K and V of each src block into its dst block, in every layer, before anyone writes."""
+        src = torch.tensor([c[0] for c in copies], dtype=torch.long, device=self.device)
+        dst = torch.tensor([c[1] for c in copies], dtype=torch.long, device=self.device)
+        for kv_cache in self.kv_caches:
+            kv_cache[:, dst] = kv_cache[:, src]
+
+    def _sample(
+        self, logits: torch.Tensor, model_input: ModelInput
+    ) -> dict[str, tuple[list[int], LogprobsLists | None]]:
+        """Samples one token per sampling request and appends it to the runner's copy of the request."""
+        if logits.shape[0] == 0:
+            return {}
+        states = [self.requests[r] for r in model_input.sample_req_ids]
+        metadata = SamplingMetadata.build(
+            params=[s.sampling_params for s in states],
+            prompt_token_ids=[s.prompt_token_ids for s in states],
+            output_token_ids=[s.output_token_ids for s in states],
+            generators=[self._generator(s) for s in states],
+            vocab_size=self.vocab_size,
+            device=self.device,
+        )
+        out = self.sampler.forward(logits, metadata)
+        token_ids = out.sampled_token_ids.tolist()
+        row_logprobs: list[LogprobsLists | None] = [None] * len(states)
+        if out.logprobs is not None:
+            row_logprobs = out.logprobs.split_rows([s.sampling_params.logprobs for s in states])
+        result: dict[str, tuple[list[int], LogprobsLists | None]] = {}
+        for row, state in enumerate(states):
+            state.output_token_ids.append(token_ids[row])
+            result[state.req_id] = ([token_ids[row]], row_logprobs[row])
+        return result
+
+    def _generator(self, state: CachedRequestState) -> torch.Generator | None:
+        seed = state.sampling_params.seed
+        if seed is None or state.sampling_params.is_greedy:
+            return None
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(step_seed(seed, len(state.output_token_ids)))
+        return generator
+
+    def _prompt_logprobs(self, logits: torch.Tensor, model_input: ModelInput) -> dict[str, LogprobsLists]:
+        result: dict[str, LogprobsLists] = {}
+        for piece in model_input.prompt_logprobs:
+            count = len(piece.target_token_ids)
+            k = self.requests[piece.req_id].sampling_params.prompt_logprobs or 0
+            targets = torch.tensor(piece.target_token_ids, dtype=torch.long, device=self.device)
+            result[piece.req_id] = compute_prompt_logprobs(
+                logits[piece.start : piece.start + count], targets, k
+            ).tolists()
+        return result

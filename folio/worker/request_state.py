@@ -1,0 +1,71 @@
+"""The worker's own copy of each request it holds: tokens, block table row, sampling state.
+
+Built from ``NewRequestData`` once and then kept current from ``CachedRequestData`` diffs plus the tokens the
+worker itself samples, so the scheduler never has to resend them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from folio.core.sched_output import CachedRequestData, NewRequestData
+from folio.sampling_params import SamplingParams
+
+
+@dataclass
+class CachedRequestState:
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """Token ids at positions [start, end) of prompt + output, without concatenating the whole list."""
+        num_prompt = len(self.prompt_token_ids)
+        if end <= num_prompt:
+            return self.prompt_token_ids[start:end]
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt : end - num_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
+
+
+class RequestStates:
+    """req_id -> CachedRequestState, updated by each SchedulerOutput before the step runs."""
+
+    def __init__(self) -> None:
+        self.states: dict[str, CachedRequestState] = {}
+
+    def __getitem__(self, req_id: str) -> CachedRequestState:
+        return self.states[req_id]
+
+    def __len__(self) -> int:
+        return len(self.states)
+
+    def remove(self, req_ids: set[str]) -> None:
+        for req_id in req_ids:
+            self.states.pop(req_id, None)
+
+    def add_new(self, new_reqs: list[NewRequestData]) -> None:
+        for new in new_reqs:
+            self.states[new.req_id] = CachedRequestState(
+                req_id=new.req_id,
+                prompt_token_ids=list(new.prompt_token_ids),
+                output_token_ids=list(new.output_token_ids),
+                sampling_params=new.sampling_params,
+                block_ids=list(new.block_ids),
+                num_computed_tokens=new.num_computed_tokens,
+            )
+
+    def apply_diffs(self, cached: CachedRequestData) -> None:
+        for i, req_id in enumerate(cached.req_ids):
+            state = self.states[req_id]
+            for index, block_id in cached.replaced_block_ids[i]:
+                state.block_ids[index] = block_id
+            state.block_ids.extend(cached.new_block_ids[i])
+            state.num_computed_tokens = cached.num_computed_tokens[i]

@@ -1,0 +1,181 @@
+"""Worker: device setup, model load, KV-cache sizing (memory profiling on CUDA) and execute_model."""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+
+from folio.attention.metadata import AttnMetadata
+from folio.config import EngineConfig
+from folio.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from folio.model.llama import LlamaForCausalLM
+from folio.model.loader import ModelSpec, load_model
+from folio.worker.model_runner import ModelRunner
+
+logger = logging.getLogger("folio")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DEFAULT_CPU_KV_BYTES = 4 * 2**30
+_CPU_KV_FRACTION_OF_FREE = 0.3
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, checkpoint_dtype: str, device: torch.device) -> torch.dtype:
+    """auto: float32 on CPU (the fast type without AMX), the checkpoint's type on CUDA (float32 -> bfloat16)."""
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32
+    return _DTYPES.get(checkpoint_dtype, torch.bfloat16) if checkpoint_dtype != "float32" else torch.bfloat16
+
+
+@dataclass
+class KVCacheShape:
+    num_layers: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_block(self) -> int:
+        element_size = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * element_size
+
+    def allocate(self, num_blocks: int, device: torch.device) -> list[torch.Tensor]:
+        shape = (2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        return [torch.zeros(shape, dtype=self.dtype, device=device) for _ in range(self.num_layers)]
+
+
+class Worker:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        torch.manual_seed(config.model_config.seed)
+        self.model, self.spec = self._load()
+        self.kv_shape = KVCacheShape(
+            num_layers=self.spec.num_hidden_layers,
+            block_size=config.cache_config.block_size,
+            num_kv_heads=self.spec.num_key_value_heads,
+            head_dim=self.spec.head_dim,
+            dtype=self.dtype,
+        )
+        num_blocks = self.determine_num_blocks()
+        config.cache_config.num_blocks = num_blocks
+        self._report_capacity(num_blocks)
+        self.model_runner = ModelRunner(
+            self.model,
+            self.kv_shape.allocate(num_blocks, self.device),
+            config.cache_config.block_size,
+            self.spec.vocab_size,
+            self.device,
+        )
+
+    def _load(self) -> tuple[LlamaForCausalLM, ModelSpec]:
+        from folio.model.loader import read_model_spec
+
+        spec = read_model_spec(self.config.model_config.model)
+        self.dtype = resolve_dtype(self.config.model_config.dtype, spec.checkpoint_dtype, self.device)
+        logger.info("Loading %s as %s on %s", self.config.model_config.model, self.dtype, self.device)
+        model, spec = load_model(self.config.model_config.model, self.dtype, self.device)
+        return model, spec
+
+    def determine_num_blocks(self) -> int:
+        """Blocks that fit the KV budget: an override, kv_cache_memory_bytes, or the device's default."""
+        cache = self.config.cache_config
+        if cache.num_gpu_blocks_override is not None:
+            return cache.num_gpu_blocks_override
+        if cache.kv_cache_memory_bytes is not None:
+            budget = cache.kv_cache_memory_bytes
+        elif self.device.type == "cuda":
+            budget = self._profile_cuda_budget()
+        else:
+            budget = _default_cpu_kv_bytes()
+        num_blocks = budget // self.kv_shape.bytes_per_block
+        if num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_memory_bytes {budget} holds no KV block (one block needs {self.kv_shape.bytes_per_block} bytes)"
+            )
+        return int(num_blocks)
+
+    def _profile_cuda_budget(self) -> int:
+        """vLLM's rule: run the largest batch once, then give the KV cache what is left under the utilization cap."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._profile_run()
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        _free, total = torch.cuda.mem_get_info(self.device)
+        budget = int(total * self.config.cache_config.gpu_memory_utilization) - peak
+        if budget <= 0:
+            raise ValueError(
+                f"gpu_memory_utilization {self.config.cache_config.gpu_memory_utilization} leaves no room for the KV "
+                f"cache: the model's peak use is {peak / 2**30:.2f} GiB of {total / 2**30:.2f} GiB"
+            )
+        return budget
+
+    @torch.inference_mode()
+    def _profile_run(self) -> None:
+        """One forward of max_num_batched_tokens tokens as prefills of up to max_model_len, on a scratch cache."""
+        sched = self.config.scheduler_config
+        block_size = self.config.cache_config.block_size
+        num_tokens = sched.max_num_batched_tokens
+        seq_len = min(num_tokens, sched.max_model_len)
+        lens = [seq_len] * (num_tokens // seq_len) + ([num_tokens % seq_len] if num_tokens % seq_len else [])
+        blocks_per_seq = math.ceil(seq_len / block_size)
+        caches = self.kv_shape.allocate(blocks_per_seq * len(lens), self.device)
+        block_table = torch.arange(blocks_per_seq * len(lens), dtype=torch.int32).view(len(lens), blocks_per_seq)
+        positions = torch.cat([torch.arange(n) for n in lens])
+        req_index = torch.cat([torch.full((n,), i) for i, n in enumerate(lens)])
+        slots = block_table[req_index, positions // block_size].long() * block_size + positions % block_size
+        cu = [0]
+        for n in lens:
+            cu.append(cu[-1] + n)
+        attn = AttnMetadata(
+            query_start_loc=torch.tensor(cu, dtype=torch.int32, device=self.device),
+            seq_lens=torch.tensor(lens, dtype=torch.int32, device=self.device),
+            block_table=block_table.to(self.device),
+            slot_mapping=slots.to(self.device),
+            max_query_len=max(lens),
+            max_seq_len=max(lens),
+            query_start_loc_cpu=cu,
+            seq_lens_cpu=lens,
+        )
+        input_ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        hidden = self.model(input_ids, positions.to(self.device), caches, attn)
+        self.model.compute_logits(hidden[-min(sched.max_num_seqs, num_tokens) :])
+        del caches, hidden
+
+    def _report_capacity(self, num_blocks: int) -> None:
+        block_size = self.config.cache_config.block_size
+        max_len = self.config.scheduler_config.max_model_len
+        num_tokens = num_blocks * block_size
+        gib = num_blocks * self.kv_shape.bytes_per_block / 2**30
+        logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB)", num_blocks, block_size, num_tokens, gib)
+        logger.info("Maximum concurrency for %d tokens per request: %.2fx", max_len, num_tokens / max_len)
+        self.capacity_message = (
+            f"KV cache: {num_blocks} blocks x {block_size} tokens = {num_tokens} tokens ({gib:.2f} GiB); "
+            f"maximum concurrency at max_model_len {max_len}: {num_tokens / max_len:.2f}x"
+        )
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.model_runner.execute_model(scheduler_output)
+
+
+def _default_cpu_kv_bytes() -> int:
+    """A sensible share of free RAM, capped at 4 GiB (vLLM CPU's default KV space)."""
+    try:
+        with open("/proc/meminfo") as f:
+            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
+        available = info.get("MemAvailable", _DEFAULT_CPU_KV_BYTES)
+    except OSError:
+        available = _DEFAULT_CPU_KV_BYTES
+    return min(_DEFAULT_CPU_KV_BYTES, int(available * _CPU_KV_FRACTION_OF_FREE))

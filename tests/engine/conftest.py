@@ -1,0 +1,66 @@
+"""Fixtures for end-to-end engine tests on the real default model.
+
+Loading the GGUF (dequantize) and its tokenizer takes several seconds; engines with different configs in one
+test session reuse one loaded copy through a session-wide memo over the loader functions (test-only).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+
+import folio.engine.llm_engine as llm_engine_module
+import folio.worker.worker as worker_module
+from folio import LLM
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _memoized_loading() -> Iterator[None]:
+    mp = pytest.MonkeyPatch()
+    original_load_model = worker_module.load_model
+
+    @functools.cache
+    def load_model_once(path: str, dtype: torch.dtype, device: torch.device) -> Any:
+        return original_load_model(path, dtype, device)
+
+    mp.setattr(worker_module, "load_model", load_model_once)
+    mp.setattr(llm_engine_module, "load_tokenizer", functools.cache(llm_engine_module.load_tokenizer))
+    yield
+    mp.undo()
+
+
+@pytest.fixture(scope="session")
+def llm() -> LLM:
+    """The default engine: SmolLM2 in float32 with default settings."""
+    return LLM(dtype="float32")
+
+
+@pytest.fixture()
+def make_llm() -> Callable[..., LLM]:
+    def make(**kwargs: Any) -> LLM:
+        return LLM(dtype="float32", **kwargs)
+
+    return make
+
+
+def assert_no_leaks(llm: LLM) -> None:
+    """Every KV block is back in the free queue and every ref count is 0."""
+    engine = llm.llm_engine
+    assert not engine.has_unfinished_requests()
+    manager = engine.kv_cache_manager
+    pool = manager.block_pool
+    assert pool.get_num_free_blocks() == pool.num_blocks, "KV blocks leaked"
+    assert all(block.ref_count == 0 for block in pool.blocks), "a KV block still has references"
+    assert not manager.req_to_blocks, f"block lists left for {list(manager.req_to_blocks)}"
+
+
+def clone_params(params: Any, **changes: Any) -> Any:
+    new = copy.deepcopy(params)
+    for k, v in changes.items():
+        setattr(new, k, v)
+    return new

@@ -1,0 +1,54 @@
+"""Bad input raises a ValueError naming the field and the limit, and leaves nothing allocated."""
+
+from __future__ import annotations
+
+import pytest
+
+from folio import LLM, SamplingParams
+from tests.engine.conftest import assert_no_leaks
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"temperature": -1.0}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_k": -5}, "top_k"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"n": 0}, "n"),
+        ({"presence_penalty": 3.0}, "presence_penalty"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"logprobs": 50}, "logprobs"),
+        ({"min_tokens": 10, "max_tokens": 5}, "min_tokens"),
+        ({"stop": [""]}, "stop"),
+    ],
+)
+def test_sampling_params_out_of_range(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)  # type: ignore[arg-type]
+
+
+def test_engine_rejects_bad_requests_and_keeps_nothing(llm: LLM) -> None:
+    max_len = llm.llm_engine.config.scheduler_config.max_model_len
+    vocab = llm.llm_engine.model_spec.vocab_size
+    cases = [
+        ([""], SamplingParams(), "prompt must not be empty"),
+        ([{"prompt_token_ids": []}], SamplingParams(), "prompt_token_ids must not be empty"),
+        ([[1, 2, vocab + 5]], SamplingParams(), f"outside the vocabulary \\[0, {vocab}\\)"),
+        ([[5] * max_len], SamplingParams(), f"max_model_len {max_len}"),
+        ([[5] * 10], SamplingParams(max_tokens=max_len), f"max_tokens {max_len}.*max_model_len {max_len}"),
+        (["hi"], SamplingParams(stop_token_ids=[vocab]), "stop_token_ids"),
+        (["hi"], SamplingParams(logit_bias={vocab + 1: 1.0}), "logit_bias"),
+    ]
+    for prompts, params, pattern in cases:
+        with pytest.raises(ValueError, match=pattern):
+            llm.generate(["A fine prompt", *prompts], params, use_tqdm=False)
+        assert_no_leaks(llm)
+    # the engine still serves afterwards
+    assert llm.generate(["Hello"], SamplingParams(max_tokens=3), use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_unknown_engine_argument() -> None:
+    with pytest.raises(TypeError, match="max_num_seq"):
+        LLM(max_num_seq=3)

@@ -1,0 +1,77 @@
+"""The same greedy outputs under every scheduling shape: preemption, chunked prefill, prefix caching, batch size."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from folio import LLM, SamplingParams
+from tests.engine.conftest import assert_no_leaks
+from tests.engine.greedy_compare import GreedyRun, compare_greedy, from_folio_output
+from tests.engine.prompts import all_prompt_token_ids
+
+PARAMS = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=5)
+
+
+def run_greedy(llm: LLM, prompts: list[list[int]]) -> list[GreedyRun]:
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS, use_tqdm=False)
+    assert_no_leaks(llm)
+    return [from_folio_output(o) for o in outputs]
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer: Any) -> list[list[int]]:
+    return all_prompt_token_ids(tokenizer)
+
+
+@pytest.fixture(scope="module")
+def baseline(llm: LLM, prompts: list[list[int]]) -> list[GreedyRun]:
+    return run_greedy(llm, prompts)
+
+
+def assert_all_close(baseline: list[GreedyRun], runs: list[GreedyRun]) -> list[str]:
+    verdicts = [compare_greedy(b, r, f"prompt {i}") for i, (b, r) in enumerate(zip(baseline, runs, strict=True))]
+    assert verdicts.count("identical") >= len(verdicts) - 2, verdicts
+    return verdicts
+
+
+def test_preemption_gives_same_outputs(
+    make_llm: Callable[..., LLM], prompts: list[list[int]], baseline: list[GreedyRun]
+) -> None:
+    small = make_llm(max_model_len=512, num_gpu_blocks_override=32)  # 512 tokens of KV for ~1300 needed
+    runs = run_greedy(small, prompts)
+    assert small.llm_engine.scheduler.num_preemptions_total > 0, "the small cache must force preemption"
+    assert_all_close(baseline, runs)
+
+
+def test_chunked_prefill_gives_same_outputs(
+    make_llm: Callable[..., LLM], prompts: list[list[int]], baseline: list[GreedyRun]
+) -> None:
+    budget = 8
+    assert all(len(p) > budget for p in prompts), "every prompt must be chunked"
+    chunked = make_llm(max_num_batched_tokens=budget)
+    assert_all_close(baseline, run_greedy(chunked, prompts))
+
+
+def test_prefix_caching_on_and_off(make_llm: Callable[..., LLM], tokenizer: Any) -> None:
+    shared = tokenizer.encode("You are a helpful assistant who answers in one sentence. " * 6, add_special_tokens=False)
+    questions = ["Why is the sky blue?", "What is 2 + 2?", "Name a fruit.", "Who wrote Hamlet?"]
+    prompts = [shared + tokenizer.encode(q, add_special_tokens=False) for q in questions]
+    on = make_llm(enable_prefix_caching=True)
+    off = make_llm(enable_prefix_caching=False)
+    # one request first so that the shared prefix is cached, then the rest hit it
+    runs_on = run_greedy(on, prompts[:1]) + run_greedy(on, prompts[1:])
+    runs_off = run_greedy(off, prompts[:1]) + run_greedy(off, prompts[1:])
+    assert on.llm_engine.kv_cache_manager.prefix_cache_hits > 0
+    assert off.llm_engine.kv_cache_manager.prefix_cache_hits == 0
+    assert_all_close(runs_off, runs_on)
+
+
+def test_batch_of_one_versus_sixteen(llm: LLM, prompts: list[list[int]], baseline: list[GreedyRun]) -> None:
+    sixteen = (prompts * 2)[:16]
+    runs16 = run_greedy(llm, sixteen)
+    singles = [run_greedy(llm, [p])[0] for p in prompts[:6]]
+    assert_all_close(singles, runs16[:6])
+    assert_all_close(baseline, runs16[: len(prompts)])
