@@ -99,9 +99,8 @@ class LLM:
                     num_prompt_tokens += len(output.prompt_token_ids)
                     num_output_tokens += sum(len(o.token_ids) for o in output.outputs)
                     elapsed = time.perf_counter() - start
-                    bar.set_postfix_str(
-                        f"input: {num_prompt_tokens / elapsed:.1f} tok/s, output: {num_output_tokens / elapsed:.1f} tok/s"
-                    )
+                    speed_in, speed_out = num_prompt_tokens / elapsed, num_output_tokens / elapsed
+                    bar.set_postfix_str(f"input: {speed_in:.1f} tok/s, output: {speed_out:.1f} tok/s")
                     bar.update(1)
         return [finished[r] for r in request_ids]
 

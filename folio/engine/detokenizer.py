@@ -42,6 +42,7 @@ class IncrementalDetokenizer:
         self.spaces_between_special_tokens = spaces_between_special_tokens
         self.output_text = ""
         self.output_token_ids: list[int] = []
+        self._skip_ids = special_token_ids(tokenizer) if skip_special_tokens else frozenset()
         # The prompt's last tokens give the first output token its context (e.g. a leading space).
         context_ids = prompt_token_ids[-(_INITIAL_CONTEXT_TOKENS + 2) :]
         self._tokens: list[str] = self._to_tokens(context_ids)
@@ -78,7 +79,8 @@ class IncrementalDetokenizer:
         return new_text[len(prefix_text) :]
 
     def _to_tokens(self, token_ids: list[int]) -> list[str]:
-        tokens = self.tokenizer.convert_ids_to_tokens(token_ids, skip_special_tokens=self.skip_special_tokens)
+        kept = [t for t in token_ids if t not in self._skip_ids]
+        tokens = self.tokenizer.convert_ids_to_tokens(kept)
         if isinstance(tokens, str):
             tokens = [tokens]
         return [t if t is not None else "" for t in tokens]  # ids outside the vocabulary decode to nothing
@@ -109,6 +111,19 @@ def _slow_tokens_to_string(tokenizer: Any, tokens: list[str], spaces_between_spe
     if run:
         sub_texts.append(tokenizer.convert_tokens_to_string(run))
     return (" " if spaces_between_special_tokens else "").join(sub_texts)
+
+
+def special_token_ids(tokenizer: Any) -> frozenset[int]:
+    """Ids that skip_special_tokens hides: the tokenizer's special ids plus every added token marked special.
+
+    transformers' GGUF tokenizers disagree across versions on which ids ``all_special_ids`` lists (5.17 omits
+    <|im_end|> of SmolLM2, while ``decode`` still hides it), so the added tokens' own flag is read too.
+    """
+    ids = set(getattr(tokenizer, "all_special_ids", []))
+    for token_id, added in getattr(tokenizer, "added_tokens_decoder", {}).items():
+        if getattr(added, "special", False):
+            ids.add(int(token_id))
+    return frozenset(ids)
 
 
 def decode_token(tokenizer: Any, token_id: int) -> str:

@@ -43,7 +43,8 @@ def prepare_model_input(
 ) -> ModelInput:
     """Build the flattened batch.
 
-    Example (block_size 4): req A computed 0, scheduled 3 (prompt of 3); req B computed 8, scheduled 1, blocks [5, 2, 7]:
+    Example (block_size 4): req A computed 0, scheduled 3 (a prompt of 3);
+    req B computed 8, scheduled 1, blocks [5, 2, 7]:
         input positions [0, 1, 2, 8]; query_start_loc [0, 3, 4]; seq_lens [3, 9];
         slot_mapping for B's position 8 -> block_ids[8 // 4] = 7 -> 7 * 4 + 0 = 28.
     """

@@ -102,7 +102,8 @@ class Worker:
         num_blocks = budget // self.kv_shape.bytes_per_block
         if num_blocks < 1:
             raise ValueError(
-                f"kv_cache_memory_bytes {budget} holds no KV block (one block needs {self.kv_shape.bytes_per_block} bytes)"
+                f"kv_cache_memory_bytes {budget} holds no KV block "
+                f"(one block needs {self.kv_shape.bytes_per_block} bytes)"
             )
         return int(num_blocks)
 

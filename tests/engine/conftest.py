@@ -18,6 +18,9 @@ import folio.engine.llm_engine as llm_engine_module
 import folio.worker.worker as worker_module
 from folio import LLM
 
+# 512 MiB of KV (~11.6k tokens of SmolLM2) per engine: several engines live in one session, also on a GPU.
+TEST_KV_BYTES = 512 * 2**20
+
 
 @pytest.fixture(scope="session", autouse=True)
 def _memoized_loading() -> Iterator[None]:
@@ -37,12 +40,13 @@ def _memoized_loading() -> Iterator[None]:
 @pytest.fixture(scope="session")
 def llm() -> LLM:
     """The default engine: SmolLM2 in float32 with default settings."""
-    return LLM(dtype="float32")
+    return LLM(dtype="float32", kv_cache_memory_bytes=TEST_KV_BYTES)
 
 
 @pytest.fixture()
 def make_llm() -> Callable[..., LLM]:
     def make(**kwargs: Any) -> LLM:
+        kwargs.setdefault("kv_cache_memory_bytes", TEST_KV_BYTES)
         return LLM(dtype="float32", **kwargs)
 
     return make

@@ -1,0 +1,35 @@
+"""The CUDA path (skipped without a GPU): dtype auto, KV sizing by profiling, and the engine's answers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from folio import LLM, SamplingParams
+from tests.engine.conftest import assert_no_leaks
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def test_auto_dtype_and_profiled_kv_cache_on_cuda() -> None:
+    llm = LLM(device="cuda", gpu_memory_utilization=0.3, max_model_len=4096)
+    worker = llm.llm_engine.executor.worker
+    assert worker.device.type == "cuda"
+    assert worker.dtype == torch.bfloat16  # auto: the GGUF dequantizes to float32 -> bfloat16 on CUDA
+    num_blocks = llm.llm_engine.config.cache_config.num_blocks
+    _free, total = torch.cuda.mem_get_info()
+    assert num_blocks * worker.kv_shape.bytes_per_block <= 0.3 * total
+    assert num_blocks * 16 >= 4096
+    out = llm.chat(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        SamplingParams(temperature=0, max_tokens=16),
+        use_tqdm=False,
+    )
+    assert "Paris" in out[0].outputs[0].text
+    seeded = SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=12, ignore_eos=True)
+    first = llm.generate(["Once upon a time"], seeded, use_tqdm=False)[0]
+    again = llm.generate(
+        ["Once upon a time", "Hello"], [seeded, SamplingParams(temperature=1.0, max_tokens=12)], use_tqdm=False
+    )[0]
+    assert [c.token_ids for c in first.outputs] == [c.token_ids for c in again.outputs]
+    assert_no_leaks(llm)
