@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from collections.abc import Sequence
 from dataclasses import fields
 
 from folio.config import SCHEDULING_POLICIES, SUPPORTED_DTYPES, EngineArgs
+from folio.logger import init_logger
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -109,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     ns = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    init_logger()
     try:
         return int(ns.func(ns))
     except (ValueError, FileNotFoundError) as e:

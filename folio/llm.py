@@ -13,6 +13,7 @@ from folio.config import EngineArgs
 from folio.engine.input_processor import PromptType
 from folio.engine.llm_engine import LLMEngine
 from folio.engine.output_processor import RequestOutputKind
+from folio.logger import init_logger
 from folio.outputs import RequestOutput
 from folio.sampling_params import SamplingParams
 
@@ -27,6 +28,7 @@ class LLM:
         unknown = sorted(set(kwargs) - known)
         if unknown:
             raise TypeError(f"LLM() got unknown engine arguments {unknown}; known: {sorted(known)}")
+        init_logger()
         self.engine_args = EngineArgs(model=model, **kwargs)
         self.llm_engine = LLMEngine.from_engine_args(self.engine_args)
 

@@ -67,6 +67,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     num_preemptions: int = 0
+    first_scheduled_time: float | None = None  # time.monotonic() when first given tokens (queue-time metric)
 
     @property
     def num_prompt_tokens(self) -> int:

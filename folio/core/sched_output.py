@@ -88,6 +88,7 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
     new_logprobs: LogprobsLists | None = None
     new_prompt_logprobs: LogprobsLists | None = None
+    queue_time: float | None = None  # seconds from arrival to first scheduling
 
     @property
     def finished(self) -> bool:

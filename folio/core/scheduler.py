@@ -18,6 +18,7 @@ join ``running`` at the end of that ``schedule()`` and reach the worker as NewRe
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -211,6 +212,7 @@ class Scheduler:
             request.num_computed_tokens = num_hit_tokens
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit_tokens
+                request.first_scheduled_time = time.monotonic()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             plan.add(request, num_new_tokens, allocation)
@@ -267,6 +269,7 @@ class Scheduler:
                 self.kv_cache_manager.fork(req_id, sibling)
                 sibling.num_computed_tokens = sibling.num_prompt_tokens - 1
                 sibling.num_cached_tokens = sibling.num_computed_tokens
+                sibling.first_scheduled_time = time.monotonic()
                 sibling.status = RequestStatus.RUNNING
                 self.running.append(sibling)
 
@@ -334,6 +337,7 @@ class Scheduler:
             num_cached_tokens=max(0, request.num_cached_tokens),
             new_logprobs=logprobs,
             new_prompt_logprobs=prompt_logprobs,
+            queue_time=_queue_time(request),
         )
 
     # ---------------------------------------------------------------- state for the engine and metrics
@@ -366,6 +370,13 @@ class Scheduler:
             prefix_cache_hits=self.kv_cache_manager.prefix_cache_hits,
             num_preemptions_total=self.num_preemptions_total,
         )
+
+
+def _queue_time(request: Request) -> float | None:
+    """Seconds from arrival to first scheduling (both monotonic clocks: valid across the engine's processes)."""
+    if request.first_scheduled_time is None:
+        return None
+    return max(0.0, request.first_scheduled_time - request.arrival_time)
 
 
 def _truncate_logprobs(logprobs: LogprobsLists, num_positions: int) -> LogprobsLists:

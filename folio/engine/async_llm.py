@@ -1,0 +1,208 @@
+"""AsyncLLM: the serving frontend. Tokenizes and detokenizes here; the engine core steps in its own process.
+
+Each request gets an async stream of DELTA outputs. Closing the stream early (client gone, timeout) aborts the
+request in the core, which frees its KV blocks. If the core process dies, every stream raises EngineDeadError
+and ``wait_for_dead`` returns, so the server can exit for its orchestrator to restart it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncGenerator
+from typing import Any
+
+from folio.config import EngineArgs
+from folio.core.scheduler import SchedulerStats
+from folio.engine.core_proc import EngineCoreClient, StepOutputs
+from folio.engine.input_processor import InputProcessor, PromptType
+from folio.engine.output_processor import OutputProcessor, RequestOutputKind
+from folio.engine.stats import IterationStats, IterationStatsCollector, StatLogger
+from folio.logger import init_logger
+from folio.model.loader import default_model_path, load_tokenizer, read_model_spec
+from folio.outputs import RequestOutput
+from folio.sampling_params import SamplingParams
+
+logger = logging.getLogger("folio")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine-core process died; no request can make progress until the server is restarted."""
+
+
+class AsyncLLM:
+    def __init__(self, engine_args: EngineArgs, stat_loggers: list[StatLogger] | None = None) -> None:
+        init_logger()
+        model_path = engine_args.model or default_model_path()
+        spec = read_model_spec(model_path)
+        self.config = engine_args.create_engine_config(model_path, spec.max_position_embeddings)
+        self.core = EngineCoreClient(self.config)  # starts loading the model in the child right away
+        try:
+            self.tokenizer = load_tokenizer(engine_args.tokenizer or model_path)  # meanwhile, here
+            ready = self.core.wait_ready()
+        except BaseException:
+            self.core.shutdown()
+            raise
+        self.config.cache_config.num_blocks = ready.num_blocks
+        self.model_spec = ready.model_spec
+        logger.info(ready.capacity_message)
+        self.input_processor = InputProcessor(
+            self.tokenizer,
+            vocab_size=self.model_spec.vocab_size,
+            max_model_len=self.config.scheduler_config.max_model_len,
+            eos_token_ids=self.model_spec.eos_token_ids,
+        )
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.stat_loggers: list[StatLogger] = list(stat_loggers or [])
+        self.stats_collector = IterationStatsCollector()
+        self.num_waiting_requests = 0
+        self.last_scheduler_stats = SchedulerStats(0, 0, 0.0, 0, 0, 0)
+        self.errored = False
+        self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException | None]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._dead: asyncio.Event | None = None
+
+    @property
+    def engine_core_pid(self) -> int:
+        return self.core.pid
+
+    # ------------------------------------------------------------------ requests
+
+    async def generate(
+        self, prompt: PromptType, sampling_params: SamplingParams, request_id: str, priority: int = 0
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Streams DELTA outputs until the request finishes; bad input raises ValueError before anything runs."""
+        self._start_output_handler()
+        if self.errored:
+            raise EngineDeadError("the engine core is dead")
+        if request_id in self._queues:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        processed = self.input_processor.tokenize_prompt(prompt)
+        requests = self.input_processor.make_requests(request_id, processed, sampling_params, priority=priority)
+        queue: asyncio.Queue[RequestOutput | BaseException | None] = asyncio.Queue()
+        self._queues[request_id] = queue
+        self.output_processor.add_request(request_id, processed, sampling_params, RequestOutputKind.DELTA)
+        self.stats_collector.add_request(request_id, requests[0].arrival_time, len(processed.prompt_token_ids))
+        self.core.add_requests(requests)
+        finished = False
+        try:
+            while not finished:
+                item = await queue.get()
+                if item is None:
+                    return  # aborted through abort(): the stream just ends
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:
+                self._abort_now(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        self._abort_now(request_id)
+
+    def _abort_now(self, request_id: str) -> None:
+        """Synchronous, so that it also runs from a generator being closed (client disconnected)."""
+        child_ids = self.output_processor.child_ids(request_id)
+        self.output_processor.abort_requests([request_id])
+        self.core.abort_requests(child_ids)
+        queue = self._queues.pop(request_id, None)
+        if queue is not None:
+            queue.put_nowait(None)
+        iteration = IterationStats()
+        self.stats_collector.finish_request(iteration, request_id, "abort", time.monotonic())
+        if iteration.finished_requests:
+            self._log_stats(self.last_scheduler_stats, iteration)
+
+    # ------------------------------------------------------------------ health
+
+    async def check_health(self) -> None:
+        self._start_output_handler()
+        if self.errored:
+            raise EngineDeadError("the engine core is dead")
+
+    async def wait_for_dead(self) -> None:
+        self._start_output_handler()
+        assert self._dead is not None
+        await self._dead.wait()
+
+    def shutdown(self) -> None:
+        self._remove_readers()
+        self.core.shutdown()
+
+    # ------------------------------------------------------------------ outputs from the core
+
+    def _start_output_handler(self) -> None:
+        """Outputs are read when the pipe is readable, on the loop that serves the requests (started lazily)."""
+        loop = asyncio.get_running_loop()
+        if self._loop is loop:
+            return
+        self._remove_readers()
+        self._loop = loop
+        self._dead = asyncio.Event()
+        if self.errored:
+            self._dead.set()
+            return
+        self._loop.add_reader(self.core.outputs_conn.fileno(), self._on_outputs_readable)
+        self._loop.add_reader(self.core.process.sentinel, self._on_core_exit)
+
+    def _remove_readers(self) -> None:
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.remove_reader(self.core.outputs_conn.fileno())
+            self._loop.remove_reader(self.core.process.sentinel)
+
+    def _on_outputs_readable(self) -> None:
+        try:
+            while self.core.outputs_conn.poll():
+                message = self.core.outputs_conn.recv()
+                if isinstance(message, StepOutputs):
+                    self._handle_step(message)
+        except (EOFError, OSError):
+            self._on_core_exit()
+
+    def _handle_step(self, message: StepOutputs) -> None:
+        now = time.monotonic()
+        self.last_scheduler_stats = message.scheduler_stats
+        self.num_waiting_requests = message.scheduler_stats.num_waiting
+        iteration = IterationStats()
+        for out in message.outputs:
+            parent_id = self.output_processor.child_to_parent.get(out.request_id)
+            if parent_id is not None:
+                self.stats_collector.record_tokens(iteration, parent_id, len(out.new_token_ids), now, out.queue_time)
+        processed = self.output_processor.process_outputs(message.outputs)
+        self.core.abort_requests(processed.child_ids_to_abort)
+        for request_output in processed.request_outputs:
+            queue = self._queues.get(request_output.request_id)
+            if queue is not None:
+                queue.put_nowait(request_output)
+            if request_output.finished:
+                reason = next((o.finish_reason for o in request_output.outputs if o.finish_reason), "stop")
+                self.stats_collector.finish_request(iteration, request_output.request_id, reason, now)
+        self._log_stats(message.scheduler_stats, iteration)
+
+    def _log_stats(self, scheduler_stats: SchedulerStats, iteration: IterationStats) -> None:
+        for stat_logger in self.stat_loggers:
+            try:
+                stat_logger.record(scheduler_stats, iteration)
+            except Exception:  # a broken metrics sink must not take the serving loop down
+                logger.exception("stat logger failed")
+
+    def _on_core_exit(self) -> None:
+        if self.errored:
+            return
+        self.errored = True
+        exit_code = self.core.process.exitcode
+        logger.error("the engine core process died (exit code %s)", exit_code)
+        self._remove_readers()
+        error = EngineDeadError(f"the engine core process died (exit code {exit_code})")
+        for queue in self._queues.values():
+            queue.put_nowait(error)
+        if self._dead is not None:
+            self._dead.set()
+
+
+def describe(engine: AsyncLLM) -> dict[str, Any]:
+    """A few facts for /version and logs."""
+    return {"engine_core_pid": engine.engine_core_pid, "num_kv_blocks": engine.config.cache_config.num_blocks}
