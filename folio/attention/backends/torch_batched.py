@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from folio.attention.backends.paged_cache import context_slots, write_kv
 from folio.attention.metadata import AttnMetadata
 
 
@@ -41,11 +42,8 @@ class TorchBatchedBackend:
         scale: float,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         """Writes key/value at attn.slot_mapping, then causal attention of each query over its context."""
-        _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
-        key_cache = kv_cache[0].view(num_blocks * block_size, num_kv_heads, head_dim)
-        value_cache = kv_cache[1].view(num_blocks * block_size, num_kv_heads, head_dim)
-        key_cache[attn.slot_mapping] = key.to(key_cache.dtype)
-        value_cache[attn.slot_mapping] = value.to(value_cache.dtype)
+        block_size = kv_cache.shape[2]
+        key_cache, value_cache = write_kv(key, value, kv_cache, attn.slot_mapping)
 
         plan = self._step_plan(attn, block_size, kv_cache.device)
         out = torch.empty_like(query)
@@ -57,7 +55,7 @@ class TorchBatchedBackend:
             if seq_len == end - start:  # nothing cached before this chunk: its own K/V are the whole context
                 k, v = key[start:end], value[start:end]
             else:
-                slots = _context_slots(attn.block_table[i], seq_len, block_size)
+                slots = context_slots(attn.block_table[i], seq_len, block_size)
                 k, v = key_cache[slots], value_cache[slots]
             out[start:end] = _prefill(query[start:end], k, v, scale)
         return out
@@ -96,14 +94,6 @@ class TorchBatchedBackend:
         scores.masked_fill_(plan.decode_pad_mask[:, None, None, :], float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         return torch.matmul(probs, v).view(num_reqs, num_heads, head_dim).to(q.dtype)  # [Rd, KV, G, D] -> [Rd, H, D]
-
-
-def _context_slots(block_row: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
-    """block_row [3, 7, ...] with block_size 4, seq_len 6 -> slots [12, 13, 14, 15, 28, 29]."""
-    num_seq_blocks = -(-seq_len // block_size)
-    blocks = block_row[:num_seq_blocks].long()
-    offsets = torch.arange(block_size, device=block_row.device)
-    return (blocks[:, None] * block_size + offsets[None, :]).flatten()[:seq_len]
 
 
 def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

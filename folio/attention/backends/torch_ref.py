@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from folio.attention.backends.paged_cache import context_slots, write_kv
 from folio.attention.metadata import AttnMetadata
 
 
@@ -25,23 +26,15 @@ class TorchReferenceBackend:
         scale: float,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         """Writes key/value at attn.slot_mapping, then causal attention of each query over its context."""
-        _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
-        key_cache = kv_cache[0].view(num_blocks * block_size, num_kv_heads, head_dim)  # slot -> K
-        value_cache = kv_cache[1].view(num_blocks * block_size, num_kv_heads, head_dim)
-        key_cache[attn.slot_mapping] = key.to(key_cache.dtype)
-        value_cache[attn.slot_mapping] = value.to(value_cache.dtype)
-
+        block_size = kv_cache.shape[2]
+        key_cache, value_cache = write_kv(key, value, kv_cache, attn.slot_mapping)
         out = torch.empty_like(query)
-        offsets = torch.arange(block_size, device=kv_cache.device)
         for i in range(attn.num_reqs):
             start, end = attn.query_start_loc_cpu[i], attn.query_start_loc_cpu[i + 1]
             seq_len = attn.seq_lens_cpu[i]
             if end == start:
                 continue
-            # block_table [3, 7] with block_size 4, seq_len 6 -> slots [12, 13, 14, 15, 28, 29]
-            num_seq_blocks = -(-seq_len // block_size)
-            blocks = attn.block_table[i, :num_seq_blocks].to(torch.int64)
-            slots = (blocks[:, None] * block_size + offsets[None, :]).flatten()[:seq_len]
+            slots = context_slots(attn.block_table[i], seq_len, block_size)
             out[start:end] = _dense_causal_attention(query[start:end], key_cache[slots], value_cache[slots], scale)
         return out
 
