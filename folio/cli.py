@@ -1,8 +1,9 @@
-"""`folio generate | chat` command line (serve and bench come with their issues)."""
+"""`folio serve | generate | chat` command line (bench comes with its issue)."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from dataclasses import fields
@@ -21,13 +22,39 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=d.seed, help="seed of the engine's random state")
     g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
-    g.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="KV cache size in bytes")
-    g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
+    g.add_argument(
+        "--kv-cache-memory-bytes",
+        type=int,
+        default=None,
+        help="KV cache size in bytes (default on CPU: 30%% of free RAM, at most 4 GiB; on CUDA: sized from "
+        "--gpu-memory-utilization)",
+    )
+    g.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=d.gpu_memory_utilization,
+        help=f"CUDA: fraction of GPU memory for weights, activations and KV cache (default {d.gpu_memory_utilization})",
+    )
     g.add_argument("--num-gpu-blocks-override", type=int, default=None, help="force the number of KV blocks")
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.enable_prefix_caching)
-    g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="most sequences in one step")
+    g.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=d.enable_prefix_caching,
+        help="reuse the KV blocks of shared prompt prefixes across requests (default on)",
+    )
+    g.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=d.max_num_seqs,
+        help=f"most sequences in one step (default {d.max_num_seqs})",
+    )
     g.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one step (default 2048)")
-    g.add_argument("--scheduling-policy", default=d.scheduling_policy, choices=SCHEDULING_POLICIES)
+    g.add_argument(
+        "--scheduling-policy",
+        default=d.scheduling_policy,
+        choices=SCHEDULING_POLICIES,
+        help="fcfs: first come first served; priority: lower 'priority' value first, then arrival (default fcfs)",
+    )
     g.add_argument("--device", default=d.device, help="auto, cpu, cuda or cuda:N")
 
 
@@ -90,9 +117,74 @@ def cmd_chat(ns: argparse.Namespace) -> int:
         print(reply, flush=True)
 
 
+def cmd_serve(ns: argparse.Namespace) -> int:
+    """Serves the OpenAI-compatible API until SIGTERM/SIGINT (exit 0) or the engine core dies (exit 1)."""
+    from folio.server.api_server import run_server
+
+    if ns.model_positional is not None:
+        if ns.model is not None and ns.model != ns.model_positional:
+            raise ValueError(f"the model is given twice: {ns.model_positional!r} and --model {ns.model!r}")
+        ns.model = ns.model_positional
+    if ns.api_key is None:
+        ns.api_key = os.environ.get("FOLIO_API_KEY") or None
+    if ns.max_num_queued_reqs is not None and ns.max_num_queued_reqs < 0:
+        raise ValueError(f"max_num_queued_reqs must be >= 0, got {ns.max_num_queued_reqs}")
+    if not 0 <= ns.port <= 65535:
+        raise ValueError(f"port must be in [0, 65535], got {ns.port}")
+    return run_server(ns, engine_args_from(ns))
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    """Server flags with vLLM's names (the engine flags come from add_engine_args)."""
+    parser.add_argument(
+        "model_positional", nargs="?", default=None, metavar="MODEL", help="model to serve (same as --model)"
+    )
+    g = parser.add_argument_group("server")
+    g.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on (default 127.0.0.1: local only, unlike vLLM's 0.0.0.0; pass 0.0.0.0 to expose "
+        "the server on every interface)",
+    )
+    g.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    g.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on every route except /health, /metrics and /version "
+        "(default: the FOLIO_API_KEY environment variable; unset: no key needed)",
+    )
+    g.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model name clients send and /v1/models lists (default: the model path's base name, or "
+        "SmolLM2-135M-Instruct for the default model)",
+    )
+    g.add_argument(
+        "--max-num-queued-reqs",
+        type=int,
+        default=None,
+        help="answer 503 to new generation requests while more than this many requests wait in the engine's "
+        "queue (default: no limit)",
+    )
+    g.add_argument(
+        "--uvicorn-log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug", "trace"],
+        help="log level of uvicorn (access log at info; default info)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="folio", description="Folio LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser(
+        "serve",
+        help="serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /metrics, ...)",
+        description="Serve MODEL (default: SmolLM2-135M-Instruct) over an OpenAI-compatible HTTP API.",
+    )
+    add_serve_args(serve)
+    add_engine_args(serve)
+    serve.set_defaults(func=cmd_serve)
     gen = sub.add_parser("generate", help="generate completions for prompts given on the command line")
     gen.add_argument("prompts", nargs="+", help="one or more prompts")
     add_sampling_args(gen)

@@ -11,7 +11,6 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncGenerator
-from typing import Any
 
 from folio.config import EngineArgs
 from folio.core.scheduler import SchedulerStats
@@ -46,7 +45,6 @@ class AsyncLLM:
             raise
         self.config.cache_config.num_blocks = ready.num_blocks
         self.model_spec = ready.model_spec
-        logger.info(ready.capacity_message)
         self.input_processor = InputProcessor(
             self.tokenizer,
             vocab_size=self.model_spec.vocab_size,
@@ -201,8 +199,3 @@ class AsyncLLM:
             queue.put_nowait(error)
         if self._dead is not None:
             self._dead.set()
-
-
-def describe(engine: AsyncLLM) -> dict[str, Any]:
-    """A few facts for /version and logs."""
-    return {"engine_core_pid": engine.engine_core_pid, "num_kv_blocks": engine.config.cache_config.num_blocks}

@@ -43,7 +43,6 @@ class Shutdown:
 class CoreReady:
     num_blocks: int
     model_spec: ModelSpec
-    capacity_message: str
 
 
 @dataclass
@@ -70,7 +69,7 @@ def run_engine_core(config: EngineConfig, requests_in: Any, outputs_out: Any) ->
     except Exception as e:  # reported to the frontend, which raises it for the user
         outputs_out.send(CoreFailed(f"{type(e).__name__}: {e}"))
         return
-    outputs_out.send(CoreReady(config.cache_config.num_blocks, executor.model_spec, executor.worker.capacity_message))
+    outputs_out.send(CoreReady(config.cache_config.num_blocks, executor.model_spec))
     try:
         _serve(core, requests_in, outputs_out)
     except (EOFError, BrokenPipeError, KeyboardInterrupt):

@@ -162,10 +162,6 @@ class Worker:
         gib = num_blocks * self.kv_shape.bytes_per_block / 2**30
         logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB)", num_blocks, block_size, num_tokens, gib)
         logger.info("Maximum concurrency for %d tokens per request: %.2fx", max_len, num_tokens / max_len)
-        self.capacity_message = (
-            f"KV cache: {num_blocks} blocks x {block_size} tokens = {num_tokens} tokens ({gib:.2f} GiB); "
-            f"maximum concurrency at max_model_len {max_len}: {num_tokens / max_len:.2f}x"
-        )
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(scheduler_output)

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server (`folio serve`): FastAPI app, protocol models, errors and metrics."""

@@ -1,0 +1,150 @@
+"""Errors in OpenAI's envelope ``{"error": {"message", "type", "param", "code"}}``.
+
+Every failure a client can cause or see leaves the server through here, so the official clients raise their
+typed exceptions (BadRequestError, NotFoundError, ...) and the server never answers a bare 422 or an HTML page.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Collection, Sequence
+from http import HTTPStatus
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger("folio")
+
+# OpenAI's error types by status (the official API uses these strings; clients map on the status).
+_TYPES = {
+    400: "invalid_request_error",
+    401: "invalid_request_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    500: "server_error",
+    503: "service_unavailable_error",
+}
+
+
+class APIError(Exception):
+    """An error answered to the client in the envelope, with its HTTP status."""
+
+    def __init__(
+        self, status: int, message: str, param: str | None = None, code: str | None = None, type: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or _TYPES.get(status, "invalid_request_error")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def to_response(self) -> JSONResponse:
+        return JSONResponse(self.to_dict(), status_code=self.status)
+
+    def to_sse(self) -> str:
+        """A stream's error event; the caller follows it with ``data: [DONE]``."""
+        return f"data: {json.dumps(self.to_dict())}\n\n"
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+# SamplingParams / InputProcessor messages start with the field's name: "temperature must be >= 0, got -1".
+_LEADING_FIELD = re.compile(r"^([a-z_]+)(\[[^\]]*\])?\s")
+_FIELD_ALIASES = {"prompt_token_ids": "prompt"}
+
+
+def from_value_error(error: ValueError, known_fields: Collection[str] = ()) -> APIError:
+    """Folio's ValueErrors name the field first; that name becomes ``param``."""
+    message = str(error)
+    match = _LEADING_FIELD.match(message)
+    param = None
+    if match:
+        name = _FIELD_ALIASES.get(match.group(1), match.group(1))
+        if not known_fields or name in known_fields:
+            param = name
+    return bad_request(message, param=param)
+
+
+def _format_loc(loc: Sequence[Any]) -> str:
+    """("body", "messages", 0, "content") -> "messages[0].content"."""
+    parts: list[str] = []
+    for item in loc:
+        if (item == "body" and not parts) or item == "[key]":
+            continue
+        if isinstance(item, int):
+            parts.append(f"[{item}]")
+        else:
+            parts.append(("." if parts else "") + str(item))
+    return "".join(parts)
+
+
+def from_validation_error(exc: RequestValidationError) -> APIError:
+    """The first pydantic error becomes the message, its location the ``param``."""
+    errors = list(exc.errors())
+    if not errors:
+        return bad_request("invalid request")
+    err = errors[0]
+    kind = err.get("type", "")
+    param = _format_loc(err.get("loc", ())) or None
+    if kind == "json_invalid":
+        detail = (err.get("ctx") or {}).get("error", err.get("msg", ""))
+        return bad_request(f"malformed JSON in the request body: {detail}", code="json_invalid")
+    if kind == "extra_forbidden":
+        return bad_request(f"unknown field '{param}': this server does not accept it", param=param)
+    if kind == "missing":
+        if param is None:
+            return bad_request("the request body must be a JSON object")
+        return bad_request(f"missing required field '{param}'", param=param)
+    if param is None:
+        return bad_request(f"the request body must be a JSON object ({err.get('msg', '')})")
+    value = err.get("input")
+    shown = json.dumps(value) if _is_small_json(value) else type(value).__name__
+    return bad_request(f"invalid value for '{param}': {err.get('msg', '')} (got {shown})", param=param)
+
+
+def _is_small_json(value: Any) -> bool:
+    try:
+        return len(json.dumps(value)) <= 200
+    except (TypeError, ValueError):
+        return False
+
+
+def install_exception_handlers(app: FastAPI) -> None:
+    """Validation errors, HTTP errors and anything unexpected all answer in the envelope."""
+
+    async def on_api_error(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, APIError)
+        return exc.to_response()
+
+    async def on_validation_error(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
+        return from_validation_error(exc).to_response()
+
+    async def on_http_error(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, StarletteHTTPException)
+        try:
+            phrase = HTTPStatus(exc.status_code).phrase
+        except ValueError:
+            phrase = "error"
+        message = exc.detail if isinstance(exc.detail, str) and exc.detail else phrase
+        return APIError(exc.status_code, message).to_response()
+
+    async def on_unexpected(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unexpected error while serving a request")
+        return APIError(500, f"internal server error: {type(exc).__name__}: {exc}").to_response()
+
+    app.add_exception_handler(APIError, on_api_error)
+    app.add_exception_handler(RequestValidationError, on_validation_error)
+    app.add_exception_handler(StarletteHTTPException, on_http_error)
+    app.add_exception_handler(Exception, on_unexpected)

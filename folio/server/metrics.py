@@ -1,0 +1,197 @@
+"""Stat loggers: Prometheus metrics under ``folio:`` (vLLM's names and buckets) and vLLM's periodic log line.
+
+Both implement ``StatLogger``: the AsyncLLM calls ``record`` after each engine-core step with the core's
+scheduler snapshot and what the frontend measured for that step's outputs. Each server owns its own
+CollectorRegistry, so two apps in one process (tests) never share counters.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from folio.engine.stats import IterationStats, SchedulerStats
+
+logger = logging.getLogger("folio")
+
+# vLLM's buckets (vllm/v1/metrics/loggers.py).
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0]
+TTFT_BUCKETS += [20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+ITL_BUCKETS = [
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+]
+REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0]
+REQUEST_LATENCY_BUCKETS += [120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+class PrometheusStatLogger:
+    """Every metric carries the ``model_name`` label, as vLLM's do."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.model_name = model_name
+        labels = ["model_name"]
+        reg = self.registry
+        self.gauge_running = Gauge("folio:num_requests_running", "Requests in the running batch.", labels, registry=reg)
+        self.gauge_waiting = Gauge("folio:num_requests_waiting", "Requests waiting to run.", labels, registry=reg)
+        self.gauge_kv_usage = Gauge(
+            "folio:kv_cache_usage_perc", "KV-cache usage: 1 means every block is in use.", labels, registry=reg
+        )
+        self.counter_prefix_queries = Counter(
+            "folio:prefix_cache_queries", "Prefix-cache queries, in tokens.", labels, registry=reg
+        )
+        self.counter_prefix_hits = Counter(
+            "folio:prefix_cache_hits", "Prefix-cache hits, in tokens.", labels, registry=reg
+        )
+        self.counter_preemptions = Counter("folio:num_preemptions", "Cumulative preemptions.", labels, registry=reg)
+        self.counter_prompt_tokens = Counter("folio:prompt_tokens", "Prefill tokens processed.", labels, registry=reg)
+        self.counter_generation_tokens = Counter(
+            "folio:generation_tokens", "Generation tokens processed.", labels, registry=reg
+        )
+        self.counter_request_success = Counter(
+            "folio:request_success", "Finished requests, by finish reason.", [*labels, "finished_reason"], registry=reg
+        )
+        for reason in FINISH_REASONS:
+            self.counter_request_success.labels(model_name, reason)
+        self.hist_ttft = Histogram(
+            "folio:time_to_first_token_seconds", "Time to first token.", labels, buckets=TTFT_BUCKETS, registry=reg
+        )
+        self.hist_itl = Histogram(
+            "folio:inter_token_latency_seconds", "Time between tokens.", labels, buckets=ITL_BUCKETS, registry=reg
+        )
+        self.hist_e2e = Histogram(
+            "folio:e2e_request_latency_seconds",
+            "Request latency, arrival to last token.",
+            labels,
+            buckets=REQUEST_LATENCY_BUCKETS,
+            registry=reg,
+        )
+        self.hist_queue = Histogram(
+            "folio:request_queue_time_seconds",
+            "Time spent waiting before first scheduled.",
+            labels,
+            buckets=REQUEST_LATENCY_BUCKETS,
+            registry=reg,
+        )
+        for metric in (
+            self.gauge_running,
+            self.gauge_waiting,
+            self.gauge_kv_usage,
+            self.counter_prefix_queries,
+            self.counter_prefix_hits,
+            self.counter_preemptions,
+            self.counter_prompt_tokens,
+            self.counter_generation_tokens,
+            self.hist_ttft,
+            self.hist_itl,
+            self.hist_e2e,
+            self.hist_queue,
+        ):
+            metric.labels(model_name)  # every series is exposed (at 0) before the first request
+        # The core reports cumulative prefix-cache and preemption counts; counters advance by the difference.
+        self._last_prefix_queries = 0
+        self._last_prefix_hits = 0
+        self._last_preemptions = 0
+
+    def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None:
+        name = self.model_name
+        self.gauge_running.labels(name).set(scheduler_stats.num_running)
+        self.gauge_waiting.labels(name).set(scheduler_stats.num_waiting)
+        self.gauge_kv_usage.labels(name).set(scheduler_stats.kv_cache_usage)
+        self._advance(self.counter_prefix_queries, scheduler_stats.prefix_cache_queries, "_last_prefix_queries")
+        self._advance(self.counter_prefix_hits, scheduler_stats.prefix_cache_hits, "_last_prefix_hits")
+        self._advance(self.counter_preemptions, scheduler_stats.num_preemptions_total, "_last_preemptions")
+        self.counter_prompt_tokens.labels(name).inc(iteration_stats.num_prompt_tokens)
+        self.counter_generation_tokens.labels(name).inc(iteration_stats.num_generation_tokens)
+        for ttft in iteration_stats.time_to_first_tokens:
+            self.hist_ttft.labels(name).observe(ttft)
+        for itl in iteration_stats.inter_token_latencies:
+            self.hist_itl.labels(name).observe(itl)
+        for finished in iteration_stats.finished_requests:
+            self.counter_request_success.labels(name, finished.finish_reason).inc()
+            self.hist_e2e.labels(name).observe(finished.e2e_latency)
+            self.hist_queue.labels(name).observe(finished.queue_time)
+
+    def _advance(self, counter: Counter, cumulative: int, last_attr: str) -> None:
+        delta = cumulative - getattr(self, last_attr)
+        if delta > 0:
+            counter.labels(self.model_name).inc(delta)
+        setattr(self, last_attr, max(cumulative, getattr(self, last_attr)))
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of this server's registry."""
+        return generate_latest(self.registry)
+
+
+class LoggingStatLogger:
+    """vLLM's periodic line: throughput over the interval, queue sizes, KV usage and prefix hit rate."""
+
+    def __init__(self, interval_s: float = 10.0) -> None:
+        self.interval_s = interval_s
+        self._last_log_time = time.monotonic()
+        self._num_prompt_tokens = 0
+        self._num_generation_tokens = 0
+        self._prefix_queries = 0  # cumulative, from the last snapshot
+        self._prefix_hits = 0
+        self._last: SchedulerStats | None = None
+        self._logged_idle = True  # nothing to report until the first step
+
+    def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None:
+        self._num_prompt_tokens += iteration_stats.num_prompt_tokens
+        self._num_generation_tokens += iteration_stats.num_generation_tokens
+        self._last = scheduler_stats
+        self._logged_idle = False
+        if time.monotonic() - self._last_log_time >= self.interval_s:
+            self.log()
+
+    def log_if_due(self) -> None:
+        """Called by the server every interval, so the line also appears (once) after the engine goes idle."""
+        if not self._logged_idle and time.monotonic() - self._last_log_time >= self.interval_s:
+            self.log()
+
+    def log(self) -> None:
+        now = time.monotonic()
+        elapsed = max(now - self._last_log_time, 1e-9)
+        stats = self._last
+        running = stats.num_running if stats else 0
+        waiting = stats.num_waiting if stats else 0
+        usage = stats.kv_cache_usage if stats else 0.0
+        queries = (stats.prefix_cache_queries if stats else 0) - self._prefix_queries
+        hits = (stats.prefix_cache_hits if stats else 0) - self._prefix_hits
+        hit_rate = hits / queries if queries > 0 else 0.0
+        logger.info(
+            "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, Running: %d reqs, "
+            "Waiting: %d reqs, GPU KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%",
+            self._num_prompt_tokens / elapsed,
+            self._num_generation_tokens / elapsed,
+            running,
+            waiting,
+            usage * 100,
+            hit_rate * 100,
+        )
+        if stats is not None:
+            self._prefix_queries, self._prefix_hits = stats.prefix_cache_queries, stats.prefix_cache_hits
+        self._num_prompt_tokens = self._num_generation_tokens = 0
+        self._last_log_time = now
+        self._logged_idle = running == 0 and waiting == 0

@@ -1,0 +1,149 @@
+"""Plumbing between engine output streams and HTTP: SSE framing, merging streams, and aborting on disconnect.
+
+The rule these helpers keep: whenever the client goes away (a dropped stream, or a non-streaming request whose
+connection closes), every engine generator of that request is closed, which aborts the request in the engine
+core and frees its KV blocks. Nothing here waits for garbage collection to do that.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
+from typing import Any, TypeVar
+
+from fastapi import Request
+from pydantic import BaseModel
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+T = TypeVar("T")
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def sse(payload: BaseModel | dict[str, Any]) -> str:
+    """One server-sent event; ``exclude_none`` is not used, so fields OpenAI sends as null stay null."""
+    data = payload.model_dump_json() if isinstance(payload, BaseModel) else json.dumps(payload)
+    return f"data: {data}\n\n"
+
+
+class AbortingStreamingResponse(StreamingResponse):
+    """A StreamingResponse that closes its body generator however the response ends.
+
+    Starlette cancels the send loop when the client disconnects but leaves the generator suspended at its
+    ``yield``; closing it here runs its ``finally`` blocks, which close the engine generators (abort).
+    """
+
+    def __init__(self, content: AsyncGenerator[str, None], **kwargs: Any) -> None:
+        super().__init__(content, media_type="text/event-stream", **kwargs)
+        self._generator = content
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._generator.aclose()
+
+
+async def prime(generator: AsyncGenerator[T, None]) -> AsyncGenerator[T, None]:
+    """Pulls the first item now, so input errors (ValueError) raise before a 200 and its headers go out.
+
+    Returns a generator that yields that first item and then the rest; closing it closes ``generator``.
+    """
+    try:
+        first = await generator.__anext__()
+    except StopAsyncIteration:
+        first = None
+        empty = True
+    else:
+        empty = False
+
+    async def chained() -> AsyncGenerator[T, None]:
+        try:
+            if not empty:
+                yield first  # type: ignore[misc]
+                async for item in generator:
+                    yield item
+        finally:
+            await generator.aclose()
+
+    return chained()
+
+
+async def prime_all(generators: Sequence[AsyncGenerator[T, None]]) -> list[AsyncGenerator[T, None]]:
+    """Primes every generator; if one raises, closes them all (aborting any that started) and re-raises."""
+    primed: list[AsyncGenerator[T, None]] = []
+    try:
+        for generator in generators:
+            primed.append(await prime(generator))
+    except BaseException:
+        for generator in generators:
+            await generator.aclose()
+        raise
+    return primed
+
+
+async def merge_async_iterators(iterators: Sequence[AsyncGenerator[T, None]]) -> AsyncGenerator[tuple[int, T], None]:
+    """Yields (index of the iterator, item) as items arrive from any of them.
+
+    On exit (exhausted, error, or this generator closed) the pending reads are cancelled and every iterator is
+    closed, so no engine request outlives its consumer.
+    """
+    pending: dict[asyncio.Future[T], int] = {}
+    try:
+        pending = {asyncio.ensure_future(_anext(it)): i for i, it in enumerate(iterators)}
+        while pending:
+            done, _ = await asyncio.wait(pending.keys(), return_when=asyncio.FIRST_COMPLETED)
+            for future in done:
+                index = pending.pop(future)
+                try:
+                    item = future.result()
+                except StopAsyncIteration:
+                    continue
+                pending[asyncio.ensure_future(_anext(iterators[index]))] = index
+                yield index, item
+    finally:
+        for future in pending:
+            future.cancel()
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
+        for it in iterators:
+            await it.aclose()
+
+
+async def _anext(iterator: AsyncIterator[T]) -> T:
+    return await iterator.__anext__()
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    """Returns when the client has closed the connection (the body was already read, so only that arrives)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class ClientDisconnected(Exception):
+    """The client went away before the response was ready; the work was cancelled."""
+
+
+async def cancel_on_disconnect(work: Awaitable[T], request: Request) -> T:
+    """Runs ``work`` but cancels it if the client disconnects first (which closes its engine generators).
+
+    This is vLLM's ``with_cancellation``: a non-streaming request whose client gave up should not keep
+    generating to the end.
+    """
+    work_task = asyncio.ensure_future(work)
+    watch_task = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({work_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not work_task.done():
+            work_task.cancel()
+        watch_task.cancel()
+        await asyncio.gather(watch_task, return_exceptions=True)
+    if work_task.done() and not work_task.cancelled():
+        return work_task.result()
+    await asyncio.gather(work_task, return_exceptions=True)
+    raise ClientDisconnected()
