@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass
 
 import torch
 
-from folio.attention.metadata import AttnMetadata
+from folio.attention.builder import assign_contiguous_blocks, build_attn_metadata, compute_positions
 from folio.config import EngineConfig
 from folio.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from folio.model.llama import LlamaForCausalLM
@@ -131,27 +130,12 @@ class Worker:
         num_tokens = sched.max_num_batched_tokens
         seq_len = min(num_tokens, sched.max_model_len)
         lens = [seq_len] * (num_tokens // seq_len) + ([num_tokens % seq_len] if num_tokens % seq_len else [])
-        blocks_per_seq = math.ceil(seq_len / block_size)
-        caches = self.kv_shape.allocate(blocks_per_seq * len(lens), self.device)
-        block_table = torch.arange(blocks_per_seq * len(lens), dtype=torch.int32).view(len(lens), blocks_per_seq)
-        positions = torch.cat([torch.arange(n) for n in lens])
-        req_index = torch.cat([torch.full((n,), i) for i, n in enumerate(lens)])
-        slots = block_table[req_index, positions // block_size].long() * block_size + positions % block_size
-        cu = [0]
-        for n in lens:
-            cu.append(cu[-1] + n)
-        attn = AttnMetadata(
-            query_start_loc=torch.tensor(cu, dtype=torch.int32, device=self.device),
-            seq_lens=torch.tensor(lens, dtype=torch.int32, device=self.device),
-            block_table=block_table.to(self.device),
-            slot_mapping=slots.to(self.device),
-            max_query_len=max(lens),
-            max_seq_len=max(lens),
-            query_start_loc_cpu=cu,
-            seq_lens_cpu=lens,
-        )
+        tables = assign_contiguous_blocks(lens, block_size)
+        caches = self.kv_shape.allocate(sum(len(t) for t in tables), self.device)
+        attn = build_attn_metadata(lens, lens, tables, block_size, self.device)
+        positions = torch.tensor(compute_positions(lens, lens), device=self.device)
         input_ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
-        hidden = self.model(input_ids, positions.to(self.device), caches, attn)
+        hidden = self.model(input_ids, positions, caches, attn)
         self.model.compute_logits(hidden[-min(sched.max_num_seqs, num_tokens) :])
         del caches, hidden
 

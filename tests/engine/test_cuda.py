@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
 from folio import LLM, SamplingParams
 from tests.engine.conftest import assert_no_leaks
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
+@needs_cuda
 def test_auto_dtype_and_profiled_kv_cache_on_cuda() -> None:
     llm = LLM(device="cuda", gpu_memory_utilization=0.3, max_model_len=4096)
     worker = llm.llm_engine.executor.worker
@@ -32,4 +35,11 @@ def test_auto_dtype_and_profiled_kv_cache_on_cuda() -> None:
         ["Once upon a time", "Hello"], [seeded, SamplingParams(temperature=1.0, max_tokens=12)], use_tqdm=False
     )[0]
     assert [c.token_ids for c in first.outputs] == [c.token_ids for c in again.outputs]
+    assert_no_leaks(llm)
+
+
+def test_profile_run_on_any_device(make_llm: Callable[..., LLM]) -> None:
+    """The memory-profiling forward that sizes the KV cache on CUDA is device-agnostic: run it here too."""
+    llm = make_llm(max_model_len=128, max_num_batched_tokens=300)
+    llm.llm_engine.executor.worker._profile_run()  # three prefills: 128 + 128 + 44 tokens
     assert_no_leaks(llm)
