@@ -1,4 +1,4 @@
-"""`folio serve | generate | chat` command line (bench comes with its issue)."""
+"""`folio serve | generate | chat | bench` command line."""
 
 from __future__ import annotations
 
@@ -174,6 +174,43 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_bench_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """`folio bench throughput | latency | serve`; the flag definitions live in folio.bench."""
+    from folio.bench.datasets import add_dataset_args
+    from folio.bench.offline import add_latency_args, add_throughput_args, cmd_bench_latency, cmd_bench_throughput
+    from folio.bench.serve import add_serve_bench_args, cmd_bench_serve
+
+    bench = sub.add_parser("bench", help="benchmarks: offline throughput, batch latency, online serving")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    throughput = bench_sub.add_parser(
+        "throughput",
+        help="offline throughput of the in-process engine (greedy, EOS ignored)",
+        description="Generate a seeded request set with the in-process engine; print requests/s, output and total "
+        "tokens/s.",
+    )
+    add_throughput_args(throughput)
+    add_dataset_args(throughput, add_seed=False)
+    add_engine_args(throughput)
+    throughput.set_defaults(func=cmd_bench_throughput)
+    latency = bench_sub.add_parser(
+        "latency",
+        help="end-to-end latency of one batch of random prompts, repeated",
+        description="Time one batch (--batch-size x --input-len in / --output-len out) --num-iters times; print "
+        "avg/p50/p90/p99.",
+    )
+    add_latency_args(latency)
+    add_engine_args(latency)
+    latency.set_defaults(func=cmd_bench_latency)
+    serve = bench_sub.add_parser(
+        "serve",
+        help="online benchmark of any OpenAI-compatible server (/v1/completions, streaming)",
+        description="Stream a seeded request set to --base-url with Gamma arrivals; print TTFT/TPOT/ITL/E2EL "
+        "statistics (vLLM's definitions), throughput and goodput.",
+    )
+    add_serve_bench_args(serve)
+    serve.set_defaults(func=cmd_bench_serve)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="folio", description="Folio LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -195,6 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(chat)
     add_engine_args(chat)
     chat.set_defaults(func=cmd_chat)
+    add_bench_parsers(sub)
     return parser
 
 

@@ -1,0 +1,1 @@
+"""`folio bench throughput | latency | serve`: vLLM-compatible benchmarks (datasets, metrics, plots)."""
