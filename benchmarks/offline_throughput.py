@@ -30,9 +30,7 @@ def main() -> None:
     args = parser.parse_args()
     data = json.loads(Path(args.workload).read_text())
     prompts = [{"prompt_token_ids": p["ids"]} for p in data["prompts"]][: args.num_prompts]
-    llm = LLM(
-        dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens
-    )
+    llm = LLM(dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)
@@ -40,7 +38,8 @@ def main() -> None:
     num_in = sum(len(o.prompt_token_ids) for o in outputs)
     num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
     print(f"requests: {len(outputs)}  prompt tokens: {num_in}  output tokens: {num_out}  time: {elapsed:.2f} s")
-    print(f"output throughput: {num_out / elapsed:.1f} tok/s   total throughput: {(num_in + num_out) / elapsed:.1f} tok/s")
+    total = (num_in + num_out) / elapsed
+    print(f"output throughput: {num_out / elapsed:.1f} tok/s   total throughput: {total:.1f} tok/s")
 
 
 if __name__ == "__main__":

@@ -89,13 +89,17 @@ class TorchBatchedBackend:
         # [Rd, nb] block ids -> (index_select, much faster than advanced indexing on CPU) [Rd * nb, bs, KV, D]
         # -> [Rd, L, KV, D]
         flat_ids = plan.decode_block_table.flatten()
-        k = torch.index_select(kv_cache[0], 0, flat_ids).view(num_reqs, -1, num_kv_heads, head_dim).float()
-        v = torch.index_select(kv_cache[1], 0, flat_ids).view(num_reqs, -1, num_kv_heads, head_dim).float()
+        # -> [Rd, KV, L, D] made contiguous once: the two batched matmuls then run on plain BLAS layouts
+        # (cheaper than letting einsum permute internally, measured in docs/performance.md)
+        k = torch.index_select(kv_cache[0], 0, flat_ids).view(num_reqs, -1, num_kv_heads, head_dim)
+        v = torch.index_select(kv_cache[1], 0, flat_ids).view(num_reqs, -1, num_kv_heads, head_dim)
+        k = k.permute(0, 2, 1, 3).float().contiguous()
+        v = v.permute(0, 2, 1, 3).float().contiguous()
         q4 = q.float().view(num_reqs, num_kv_heads, group, head_dim)  # [Rd, KV, G, D]
-        scores = torch.einsum("rkgd,rlkd->rkgl", q4, k) * scale  # [Rd, KV, G, L]
+        scores = torch.matmul(q4, k.transpose(-1, -2)) * scale  # [Rd, KV, G, L]
         scores.masked_fill_(plan.decode_pad_mask[:, None, None, :], float("-inf"))
         probs = torch.softmax(scores, dim=-1)
-        out = torch.einsum("rkgl,rlkd->rkgd", probs, v)  # [Rd, KV, G, D]
+        out = torch.matmul(probs, v)  # [Rd, KV, G, D]
         return out.reshape(num_reqs, num_heads, head_dim).to(q.dtype)
 
 

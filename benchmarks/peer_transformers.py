@@ -1,0 +1,85 @@
+"""Peer: Hugging Face transformers `generate` with static batching vs Folio, on W1, in one run.
+
+    .venv/bin/python benchmarks/peer_transformers.py                    # batch sizes 8, 32, 64
+    .venv/bin/python benchmarks/peer_transformers.py --batch-sizes 64 --num-prompts 64
+
+Same weights (the default GGUF, dequantized to float32 by transformers), same dtype, same token ids (W1), 128
+new tokens each, greedy. transformers cannot ignore EOS in generate, so `min_new_tokens` holds EOS back for it
+(both sides produce exactly the same number of tokens). Needs only what the project's dev install has
+(transformers, accelerate, gguf). Prints each peer's output tok/s, Folio's, and the ratio to the best peer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from folio import LLM, SamplingParams
+from folio.model.loader import default_model_path
+
+W1 = Path(__file__).resolve().parents[2] / "shared" / "workloads" / "w1_prompts.json"
+
+
+def run_transformers(prompts: list[list[int]], output_len: int, batch_size: int, pad_id: int) -> float:
+    """Static batches, left-padded; returns output tokens per second."""
+    from transformers import AutoModelForCausalLM
+
+    directory, filename = os.path.split(default_model_path())
+    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=filename, dtype=torch.float32).eval()
+    num_out = 0
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for i in range(0, len(prompts), batch_size):
+            batch = prompts[i : i + batch_size]
+            width = max(len(p) for p in batch)
+            ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in batch])
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=output_len,
+                min_new_tokens=output_len,
+                do_sample=False,
+                pad_token_id=pad_id,
+            )
+            num_out += (out.shape[1] - width) * len(batch)
+    return num_out / (time.perf_counter() - start)
+
+
+def run_folio(prompts: list[list[int]], output_len: int) -> float:
+    llm = LLM(dtype="float32")
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    start = time.perf_counter()
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return sum(len(o.outputs[0].token_ids) for o in outputs) / (time.perf_counter() - start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--workload", default=str(W1))
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--batch-sizes", default="8,32,64", help="transformers static batch sizes to try")
+    args = parser.parse_args()
+    data = json.loads(Path(args.workload).read_text())
+    prompts = [p["ids"] for p in data["prompts"]][: args.num_prompts]
+    folio_tps = run_folio(prompts, args.output_len)
+    print(f"folio: {folio_tps:.1f} output tok/s", flush=True)
+    peers = {}
+    for batch_size in (int(b) for b in args.batch_sizes.split(",")):
+        peers[batch_size] = run_transformers(prompts, args.output_len, batch_size, pad_id=2)
+        print(f"transformers static batch {batch_size}: {peers[batch_size]:.1f} output tok/s", flush=True)
+    best = max(peers, key=lambda b: peers[b])
+    print(
+        f"folio / best transformers (batch {best}): {folio_tps:.1f} / {peers[best]:.1f} = "
+        f"{folio_tps / peers[best]:.2f}x"
+    )
+
+
+if __name__ == "__main__":
+    main()
