@@ -1,19 +1,23 @@
-"""Chooses the attention backend for a device."""
+"""Chooses the attention backend for a device and dtype."""
 
 from __future__ import annotations
 
 import torch
 
 from folio.attention.backends.base import AttentionBackend
+from folio.attention.backends.cpu_paged import CpuPagedBackend, load_paged_attention_kernel
 from folio.attention.backends.torch_batched import TorchBatchedBackend
 
 
-def get_attention_backend(device: torch.device) -> AttentionBackend:
-    """The backend that runs attention on ``device``.
+def get_attention_backend(device: torch.device, dtype: torch.dtype) -> AttentionBackend:
+    """The backend that runs attention on ``device`` in ``dtype``.
 
-    Every device gets TorchBatchedBackend (decodes batched, prefills through SDPA), tested against the
-    TorchReferenceBackend oracle. Device-specific paged kernels (a CPU kernel, a Triton/FlexAttention CUDA
-    kernel) plug in here, chosen by device.type, under the same test.
+    float32 on the CPU: CpuPagedBackend (a C kernel reading blocks in place) when a C compiler can build it.
+    Everything else (CUDA, other dtypes, no compiler): TorchBatchedBackend, plain device-agnostic torch. Both are
+    tested against the TorchReferenceBackend oracle.
     """
-    del device  # one backend serves every device for now
+    if torch.device(device).type == "cpu" and dtype == torch.float32:
+        kernel = load_paged_attention_kernel()
+        if kernel is not None:
+            return CpuPagedBackend(kernel)
     return TorchBatchedBackend()

@@ -78,7 +78,7 @@ def load_model(
         weights = iter_gguf_weights(gguf, spec, show_progress)
     model_class = get_model_class(spec.architecture)
     with torch.device("meta"):
-        model = model_class(spec, attn_backend or get_attention_backend(device))
+        model = model_class(spec, attn_backend or get_attention_backend(device, dtype))
     _materialize_empty(model, dtype, device)
     try:
         model.load_weights(weights)

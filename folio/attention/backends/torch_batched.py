@@ -57,7 +57,7 @@ class TorchBatchedBackend:
             else:
                 slots = context_slots(attn.block_table[i], seq_len, block_size)
                 k, v = key_cache[slots], value_cache[slots]
-            out[start:end] = _prefill(query[start:end], k, v, scale)
+            out[start:end] = prefill_attention(query[start:end], k, v, scale)
         return out
 
     def _step_plan(self, attn: AttnMetadata, block_size: int, device: torch.device) -> _StepPlan:
@@ -103,7 +103,7 @@ class TorchBatchedBackend:
         return out.reshape(num_reqs, num_heads, head_dim).to(q.dtype)
 
 
-def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """q [Q, H, D] at the last Q positions of k/v [S, KV, D] -> [Q, H, D], causal."""
     query_len, num_heads, _ = q.shape
     seq_len, num_kv_heads, _ = k.shape

@@ -1,0 +1,1 @@
+"""Hand-written kernels, compiled on first use (plain C + OpenMP through ctypes, no torch headers to build)."""

@@ -1,0 +1,114 @@
+"""The fast backends (TorchBatchedBackend, the CPU C kernel) against the reference oracle on random paged batches."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from folio.attention.backends.base import AttentionBackend
+from folio.attention.backends.cpu_paged import CpuPagedBackend, load_paged_attention_kernel
+from folio.attention.backends.torch_batched import TorchBatchedBackend
+from folio.attention.backends.torch_ref import TorchReferenceBackend
+from folio.attention.builder import build_attn_metadata
+from folio.attention.selector import get_attention_backend
+
+
+def _make_backend(name: str) -> AttentionBackend:
+    if name == "torch_batched":
+        return TorchBatchedBackend()
+    kernel = load_paged_attention_kernel()
+    assert kernel is not None, "the CPU kernel must build here (gcc is part of this machine and of CI)"
+    return CpuPagedBackend(kernel)
+
+
+@pytest.fixture(params=["torch_batched", "cpu_paged"])
+def backend_name(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+def _compare(
+    backend_name: str,
+    query_lens: list[int],
+    seq_lens: list[int],
+    block_size: int,
+    seed: int,
+    heads: tuple[int, int],
+    head_dim: int = 16,
+    spare_table_columns: int = 0,
+) -> None:
+    num_heads, num_kv_heads = heads
+    gen = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    num_blocks = sum(-(-s // block_size) for s in seq_lens) + 3
+    pool = list(range(num_blocks))
+    rng.shuffle(pool)  # non-contiguous block tables
+    tables = []
+    for s in seq_lens:
+        n = -(-s // block_size)
+        tables.append(pool[:n] + [0] * spare_table_columns)  # unused tail columns, as the runner leaves them
+        pool = pool[n:]
+    kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen)  # cached context
+    num_tokens = sum(query_lens)
+    query = torch.randn(num_tokens, num_heads, head_dim, generator=gen)
+    key = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen)
+    value = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen)
+    attn = build_attn_metadata(query_lens, seq_lens, tables, block_size)
+    scale = head_dim**-0.5
+    ref_cache, fast_cache = kv_cache.clone(), kv_cache.clone()
+    expected = TorchReferenceBackend().forward(query, key, value, ref_cache, attn, scale)
+    backend = _make_backend(backend_name)
+    for _ in range(2):  # the second call reuses the step plan, as the model's next layer does
+        out = backend.forward(query, key, value, fast_cache, attn, scale)
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fast_cache, ref_cache, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("heads", [(6, 2), (4, 4), (9, 3)])
+def test_mixed_prefill_and_decode(backend_name: str, block_size: int, heads: tuple[int, int]) -> None:
+    # fresh prefill, a chunk over a cached prefix, decodes of different lengths, a 3-token query, an empty one
+    _compare(backend_name, [7, 5, 1, 1, 3, 0, 1], [7, 23, 1, 40, 18, 9, 17], block_size, seed=block_size, heads=heads)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_batches(backend_name: str, seed: int) -> None:
+    rng = random.Random(seed)
+    seq_lens = [rng.randint(1, 70) for _ in range(rng.randint(1, 10))]
+    query_lens = [rng.choice([1, 1, s, rng.randint(0, s)]) for s in seq_lens]
+    _compare(
+        backend_name,
+        query_lens,
+        seq_lens,
+        rng.choice([1, 2, 8, 16]),
+        seed,
+        heads=rng.choice([(6, 2), (9, 3), (8, 1)]),
+        head_dim=rng.choice([16, 64, 40]),
+        spare_table_columns=rng.choice([0, 3]),
+    )
+
+
+def test_decode_only_batch(backend_name: str) -> None:
+    _compare(backend_name, [1] * 16, [random.Random(i).randint(1, 100) for i in range(16)], 16, seed=5, heads=(9, 3))
+
+
+def test_long_contexts_model_shapes(backend_name: str) -> None:
+    # SmolLM2's heads (9 query / 3 KV of 64) at contexts past 1000 positions, some sharing a block size of 16
+    rng = random.Random(7)
+    seq_lens = [rng.randint(900, 1300) for _ in range(6)]
+    _compare(backend_name, [1, 1, 1, 5, 1, 1], seq_lens, 16, seed=7, heads=(9, 3), head_dim=64)
+
+
+def test_selector_picks_the_kernel_for_cpu_float32() -> None:
+    assert isinstance(get_attention_backend(torch.device("cpu"), torch.float32), CpuPagedBackend)
+    assert isinstance(get_attention_backend(torch.device("cpu"), torch.bfloat16), TorchBatchedBackend)
+
+
+def test_kernel_backend_rejects_other_dtypes() -> None:
+    backend = _make_backend("cpu_paged")
+    attn = build_attn_metadata([1], [1], [[0]], 4)
+    q = torch.zeros(1, 2, 8, dtype=torch.bfloat16)
+    kv = torch.zeros(1, 2, 8, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="float32"):
+        backend.forward(q, kv, kv, torch.zeros(2, 1, 4, 2, 8, dtype=torch.bfloat16), attn, 1.0)
