@@ -63,6 +63,11 @@ class KVCacheManager:
     def get_num_free_blocks(self) -> int:
         return self.block_pool.get_num_free_blocks()
 
+    @property
+    def num_used_blocks(self) -> int:
+        """Blocks with ref_count >= 1 (held by some request)."""
+        return self.block_pool.num_blocks - self.block_pool.get_num_free_blocks()
+
     def get_block_ids(self, request_id: str) -> list[int]:
         """The request's whole block table, as ids (empty if it holds no blocks)."""
         return [block.block_id for block in self.req_to_blocks.get(request_id, [])]

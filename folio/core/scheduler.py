@@ -50,6 +50,11 @@ class SchedulerStats:
     prefix_cache_queries: int  # tokens
     prefix_cache_hits: int  # tokens
     num_preemptions_total: int
+    # KV occupancy: tokens whose K/V the running requests hold (a shared prefix counts once per request), and the
+    # slots of every block in use (block_size x blocks with ref_count >= 1). live / held is the fraction of the
+    # allocated KV memory that holds live tokens; paging keeps it near 1, a max-length allocation would not.
+    num_kv_live_tokens: int = 0
+    num_kv_held_slots: int = 0
 
 
 def _remove_by_identity(requests: list[Request], request: Request) -> None:
@@ -369,6 +374,8 @@ class Scheduler:
             prefix_cache_queries=self.kv_cache_manager.prefix_cache_queries,
             prefix_cache_hits=self.kv_cache_manager.prefix_cache_hits,
             num_preemptions_total=self.num_preemptions_total,
+            num_kv_live_tokens=sum(request.num_computed_tokens for request in self.running),
+            num_kv_held_slots=self.kv_cache_manager.num_used_blocks * self.kv_cache_manager.block_size,
         )
 
 

@@ -221,7 +221,12 @@ def test_shared_prefix_while_both_running_has_ref_count_two() -> None:
     so, _ = step(scheduler, worker)
     assert so.scheduled_new_reqs[0].block_ids == [0, 1, 3]
     assert [block.ref_count for block in scheduler.kv_cache_manager.block_pool.blocks[:4]] == [2, 2, 1, 1]
+    # a: 9 prompt + 1 decode computed; b: 8 cached + 1 computed -> 19 live tokens in 4 blocks of 4 slots
+    stats = scheduler.get_stats()
+    assert (stats.num_kv_live_tokens, stats.num_kv_held_slots) == (19, 16)
     run_to_completion(scheduler, worker)
+    stats = scheduler.get_stats()
+    assert (stats.num_kv_live_tokens, stats.num_kv_held_slots) == (0, 0)
 
 
 @pytest.mark.parametrize(

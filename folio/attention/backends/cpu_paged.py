@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -20,7 +21,7 @@ from folio.attention.metadata import AttnMetadata
 from folio.kernels.cpu_build import load_kernel_library
 
 _i64, _f32, _int, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p
-_KERNEL_ARGTYPES = [_ptr] * 4 + [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _f32, _int]
+_KERNEL_ARGTYPES: list[Any] = [_ptr] * 4 + [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _f32, _int]
 
 
 def load_paged_attention_kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
