@@ -21,7 +21,9 @@ from folio.attention.metadata import AttnMetadata
 from folio.kernels.cpu_build import load_kernel_library
 
 _i64, _f32, _int, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p
-_KERNEL_ARGTYPES: list[Any] = [_ptr] * 4 + [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _f32, _int]
+# (q, out, k_cache, v_cache, block/head/position strides, block_table, its row stride, rows, row_req, row_ctx,
+#  num_rows, num_heads, num_kv_heads, head_dim, block_size, scale, num_threads): see the C source.
+_KERNEL_ARGTYPES: list[Any] = [_ptr] * 4 + [_i64] * 3 + [_ptr, _i64] + [_ptr] * 3 + [_i64] * 5 + [_f32, _int]
 
 
 def load_paged_attention_kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
@@ -76,6 +78,9 @@ class CpuPagedBackend:
                 out.data_ptr(),
                 kv_cache[0].data_ptr(),
                 kv_cache[1].data_ptr(),
+                kv_cache.stride(1),  # block
+                kv_cache.stride(3),  # KV head
+                kv_cache.stride(2),  # position in the block
                 plan.block_table.data_ptr(),
                 plan.block_table.shape[1],
                 plan.rows.data_ptr(),
