@@ -1,0 +1,68 @@
+"""The FLOP ceiling of a workload on this machine: the model's matmul FLOPs over a measured matmul rate.
+
+A decoder's work is almost all matmuls (projections, MLP, LM head), so "tokens per second if every FLOP ran at
+the machine's measured float32 GEMM rate" bounds any engine. Attention's own FLOPs (about 4% at W1's lengths)
+are left out, as in the issue's estimate, so the ceiling is slightly generous.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from folio.model.spec import ModelSpec
+
+
+@dataclass
+class ModelFlops:
+    per_token_layers: int  # FLOPs of all decoder layers' matmuls for one token
+    lm_head: int  # FLOPs of the LM head for one token whose logits are needed
+
+    @classmethod
+    def from_spec(cls, spec: ModelSpec) -> ModelFlops:
+        """2 FLOPs per weight per token: q|k|v, o, gate|up, down in each layer; hidden x vocab for the head."""
+        hidden, inter = spec.hidden_size, spec.intermediate_size
+        per_layer = hidden * (spec.q_size + 2 * spec.kv_size) + spec.q_size * hidden + 3 * hidden * inter
+        return cls(per_token_layers=2 * per_layer * spec.num_hidden_layers, lm_head=2 * hidden * spec.vocab_size)
+
+    def request_flops(self, prompt_len: int, output_len: int) -> int:
+        """A request runs prompt_len + output_len - 1 tokens through the layers and needs output_len logits rows."""
+        return (prompt_len + output_len - 1) * self.per_token_layers + output_len * self.lm_head
+
+
+def measure_matmul_flops(size: int = 2048, repeats: int = 8, dtype: torch.dtype = torch.float32) -> float:
+    """Best-of-``repeats`` FLOP/s of one size x size GEMM with torch's current thread count (after a warm-up)."""
+    a = torch.randn(size, size, dtype=dtype)
+    b = torch.randn(size, size, dtype=dtype)
+    out = torch.empty(size, size, dtype=dtype)
+    torch.mm(a, b, out=out)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.mm(a, b, out=out)
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best
+
+
+@dataclass
+class Ceiling:
+    matmul_flops: float  # FLOP/s measured
+    workload_flops: int
+    output_tokens: int
+
+    @property
+    def seconds(self) -> float:
+        return self.workload_flops / self.matmul_flops
+
+    @property
+    def output_tokens_per_second(self) -> float:
+        return self.output_tokens / self.seconds
+
+
+def workload_ceiling(spec: ModelSpec, lengths: list[tuple[int, int]], matmul_flops: float) -> Ceiling:
+    """Ceiling for requests given as (prompt_len, output_len) pairs."""
+    flops = ModelFlops.from_spec(spec)
+    total = sum(flops.request_flops(p, o) for p, o in lengths)
+    return Ceiling(matmul_flops=matmul_flops, workload_flops=total, output_tokens=sum(o for _, o in lengths))
