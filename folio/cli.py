@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import fields
 
-from folio.config import SCHEDULING_POLICIES, SUPPORTED_DTYPES, EngineArgs
+from folio.config import MODEL_IMPLS, SCHEDULING_POLICIES, SUPPORTED_DTYPES, EngineArgs
 from folio.logger import init_logger
 
 
@@ -56,6 +56,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="fcfs: first come first served; priority: lower 'priority' value first, then arrival (default fcfs)",
     )
     g.add_argument("--device", default=d.device, help="auto, cpu, cuda or cuda:N")
+    g.add_argument(
+        "--model-impl",
+        default=d.model_impl,
+        choices=MODEL_IMPLS,
+        help="auto: the checkpoint's model; noop: a stand-in of the same shapes whose forward does nothing and "
+        "always predicts one token, to measure the engine's own overhead (meaningless text; default auto)",
+    )
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
@@ -175,10 +182,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_bench_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    """`folio bench throughput | latency | serve`; the flag definitions live in folio.bench."""
+    """`folio bench throughput | latency | serve | sweep`; the flag definitions live in folio.bench."""
     from folio.bench.datasets import add_dataset_args
     from folio.bench.offline import add_latency_args, add_throughput_args, cmd_bench_latency, cmd_bench_throughput
     from folio.bench.serve import add_serve_bench_args, cmd_bench_serve
+    from folio.bench.sweep import add_sweep_args, cmd_bench_sweep
 
     bench = sub.add_parser("bench", help="benchmarks: offline throughput, batch latency, online serving")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
@@ -194,9 +202,9 @@ def add_bench_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     throughput.set_defaults(func=cmd_bench_throughput)
     latency = bench_sub.add_parser(
         "latency",
-        help="end-to-end latency of one batch of random prompts, repeated",
+        help="end-to-end latency of one batch of random prompts, repeated; --profile: time per step phase",
         description="Time one batch (--batch-size x --input-len in / --output-len out) --num-iters times; print "
-        "avg/p50/p90/p99.",
+        "avg/p50/p90/p99. --profile adds a per-phase table of the engine steps (no-op model by default).",
     )
     add_latency_args(latency)
     add_engine_args(latency)
@@ -209,6 +217,16 @@ def add_bench_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     )
     add_serve_bench_args(serve)
     serve.set_defaults(func=cmd_bench_serve)
+    sweep = bench_sub.add_parser(
+        "sweep",
+        help="bench serve over a grid of --max-num-seqs x --max-num-batched-tokens; recommends a setting",
+        description="For each setting start a fresh folio serve (other flags, e.g. --max-model-len 512, are passed "
+        "to it), run bench serve's benchmark, then print a table and the setting with the highest goodput among "
+        "those meeting --slo; write JSON and a PNG.",
+        allow_abbrev=False,  # --max-num-seqs must not be taken for --max-num-seqs-grid
+    )
+    add_sweep_args(sweep)
+    sweep.set_defaults(func=cmd_bench_sweep, passes_unknown_args=True)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -238,7 +256,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    ns = parser.parse_args(argv)
+    ns, unknown = parser.parse_known_args(argv)
+    if unknown and not getattr(ns, "passes_unknown_args", False):
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    ns.extra_args = unknown  # `folio bench sweep` hands them to every `folio serve` it starts
     init_logger()
     try:
         return int(ns.func(ns))

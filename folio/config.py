@@ -10,6 +10,9 @@ from dataclasses import dataclass
 
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 SCHEDULING_POLICIES = ("fcfs", "priority")
+# "auto": the checkpoint's architecture. "noop": a stand-in of the same shapes whose forward does no work
+# (folio.model.noop), so a benchmark sees only the engine's own cost: scheduler, inputs, sampler, outputs.
+MODEL_IMPLS = ("auto", "noop")
 
 
 @dataclass
@@ -53,10 +56,13 @@ class ModelConfig:
     dtype: str = "auto"
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     seed: int = 0
+    model_impl: str = "auto"  # one of MODEL_IMPLS
 
     def __post_init__(self) -> None:
         if self.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
+        if self.model_impl not in MODEL_IMPLS:
+            raise ValueError(f"model_impl must be one of {MODEL_IMPLS}, got {self.model_impl!r}")
 
 
 @dataclass
@@ -86,6 +92,7 @@ class EngineArgs:
     scheduling_policy: str = "fcfs"
     long_prefill_token_threshold: int = 0
     device: str = "auto"
+    model_impl: str = "auto"  # "noop": engine-overhead benchmarks only (constant logits, no weights loaded)
 
     def create_engine_config(self, model_path: str, model_max_len: int) -> EngineConfig:
         """Resolve defaults that depend on the model; ``model_max_len`` is the model's context length."""
@@ -104,6 +111,7 @@ class EngineArgs:
                 dtype=self.dtype,
                 max_model_len=max_model_len,
                 seed=self.seed,
+                model_impl=self.model_impl,
             ),
             cache_config=CacheConfig(
                 block_size=self.block_size,

@@ -1,6 +1,8 @@
 """`folio bench throughput` and `folio bench latency`: the engine in-process (``folio.LLM``), greedy, EOS ignored.
 
 Both take the engine flags of `folio serve`; the engine's ``--seed`` also seeds the request set.
+``latency --profile`` also times every engine step phase by phase (folio.bench.profile), by default with the
+no-op model (``model_impl="noop"``) so that the table is the engine's own overhead.
 """
 
 from __future__ import annotations
@@ -13,13 +15,17 @@ from typing import Any
 import numpy as np
 
 from folio.bench.datasets import SampleRequest, requests_from_args, sample_random
+from folio.bench.profile import format_profile, summarize_steps
+from folio.step_timer import StepTimer
+
+PROFILE_MODELS = ("noop", "real", "both")
 
 
-def _make_llm(ns: argparse.Namespace) -> Any:
+def _make_llm(ns: argparse.Namespace, **overrides: Any) -> Any:
     from folio.cli import engine_args_from
     from folio.llm import LLM
 
-    return LLM(**vars(engine_args_from(ns)))
+    return LLM(**{**vars(engine_args_from(ns)), **overrides})
 
 
 def _special_ids(llm: Any) -> list[int]:
@@ -85,25 +91,32 @@ def add_latency_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--num-iters-warmup", type=int, default=10, help="untimed runs of the batch first (default 10)")
     g.add_argument("--num-iters", type=int, default=30, help="timed runs of the batch (default 30)")
     g.add_argument("--output-json", default=None, metavar="PATH", help="write the result as JSON to PATH")
+    g.add_argument(
+        "--profile",
+        nargs="?",
+        const="noop",
+        default=None,
+        choices=PROFILE_MODELS,
+        help="also time each engine step by phase (scheduler, input preparation, forward, sampling, update, "
+        "output processing) over the steps where the whole batch decodes; noop (the default of a bare --profile): "
+        "with the no-op model, i.e. the engine's own overhead; real: with the model; both: one after the other",
+    )
 
 
-def cmd_bench_latency(ns: argparse.Namespace) -> int:
-    """Times one batch of random prompts end to end, ``--num-iters`` times after ``--num-iters-warmup`` runs."""
-    if min(ns.batch_size, ns.input_len, ns.output_len, ns.num_iters) < 1 or ns.num_iters_warmup < 0:
-        raise ValueError("batch size, lengths and num_iters must be >= 1, num_iters_warmup >= 0")
-    llm = _make_llm(ns)
-    vocab_size = llm.llm_engine.model_spec.vocab_size
-    batch = sample_random(ns.batch_size, ns.input_len, ns.output_len, vocab_size, ns.seed, 0.0, 0, _special_ids(llm))
-    for _ in range(ns.num_iters_warmup):
-        _generate(llm, batch, use_tqdm=False)
-    latencies: list[float] = []
-    for _ in range(ns.num_iters):
-        start = time.perf_counter()
-        _generate(llm, batch, use_tqdm=False)
-        latencies.append(time.perf_counter() - start)
+def _run_batch(llm: Any, batch: list[SampleRequest]) -> tuple[float, int]:
+    """(seconds, output tokens) of one generate call over the batch."""
+    start = time.perf_counter()
+    outputs = _generate(llm, batch, use_tqdm=False)
+    return time.perf_counter() - start, sum(len(c.token_ids) for o in outputs for c in o.outputs)
+
+
+def _latency_result(ns: argparse.Namespace, latencies: list[float]) -> dict[str, Any]:
     arr = np.asarray(latencies)
     percentiles = {f"p{p}": float(np.percentile(arr, p)) for p in (50, 90, 99)}
-    result = {
+    print(f"Avg latency: {arr.mean():.4f} s  (batch {ns.batch_size} x {ns.input_len} in / {ns.output_len} out)")
+    for name, value in percentiles.items():
+        print(f"{name.upper()} latency: {value:.4f} s")
+    return {
         "batch_size": ns.batch_size,
         "input_len": ns.input_len,
         "output_len": ns.output_len,
@@ -111,10 +124,50 @@ def cmd_bench_latency(ns: argparse.Namespace) -> int:
         "latencies": latencies,
         "percentiles": percentiles,
     }
-    print(
-        f"Avg latency: {result['avg_latency']:.4f} s  (batch {ns.batch_size} x {ns.input_len} in / {ns.output_len} out)"
-    )
-    for name, value in percentiles.items():
-        print(f"{name.upper()} latency: {value:.4f} s")
+
+
+def _time_runs(llm: Any, ns: argparse.Namespace, timer: StepTimer | None) -> tuple[list[float], list[int]]:
+    """Warm-up runs, then ``--num-iters`` timed runs (with ``timer`` attached to the engine only for those)."""
+    vocab_size = llm.llm_engine.model_spec.vocab_size
+    batch = sample_random(ns.batch_size, ns.input_len, ns.output_len, vocab_size, ns.seed, 0.0, 0, _special_ids(llm))
+    for _ in range(ns.num_iters_warmup):
+        _run_batch(llm, batch)
+    llm.llm_engine.set_step_timer(timer)
+    try:
+        runs = [_run_batch(llm, batch) for _ in range(ns.num_iters)]
+    finally:
+        llm.llm_engine.set_step_timer(None)
+    return [r[0] for r in runs], [r[1] for r in runs]
+
+
+def cmd_bench_latency(ns: argparse.Namespace) -> int:
+    """Times one batch of random prompts end to end, ``--num-iters`` times after ``--num-iters-warmup`` runs.
+
+    With ``--profile`` the step timer is attached during the timed runs (its laps cost ~1 us each) and the
+    phase table follows the latency lines; exit 1 if a run generated other than batch x output-len tokens.
+    """
+    if min(ns.batch_size, ns.input_len, ns.output_len, ns.num_iters) < 1 or ns.num_iters_warmup < 0:
+        raise ValueError("batch size, lengths and num_iters must be >= 1, num_iters_warmup >= 0")
+    if ns.profile is None:
+        latencies, _ = _time_runs(_make_llm(ns), ns, None)
+        _write_json(ns.output_json, _latency_result(ns, latencies))
+        return 0
+    result: dict[str, Any] = {"profile": {}}
+    ok = True
+    for kind in ("noop", "real") if ns.profile == "both" else (ns.profile,):
+        llm = _make_llm(ns, model_impl="noop") if kind == "noop" else _make_llm(ns)
+        timer = StepTimer()
+        latencies, num_tokens = _time_runs(llm, ns, timer)
+        del llm
+        noop = kind == "noop"
+        print(f"--- {'no-op model (the engine alone)' if noop else 'real model'}")
+        entry = _latency_result(ns, latencies)
+        requested = ns.batch_size * ns.output_len
+        print(f"Output tokens per run: {', '.join(map(str, num_tokens))} ({requested} requested)")
+        ok = ok and all(n == requested for n in num_tokens)
+        entry.update(summarize_steps(timer.steps, ns.batch_size), output_tokens_per_run=num_tokens)
+        title = "Step profile: no-op model" if noop else "Step profile: real model"
+        print(format_profile(entry, title, noop), flush=True)
+        result["profile"][kind] = entry
     _write_json(ns.output_json, result)
-    return 0
+    return 0 if ok else 1

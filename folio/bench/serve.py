@@ -32,6 +32,21 @@ def add_serve_bench_args(parser: argparse.ArgumentParser) -> None:
         "prompts (default: Folio's default model)",
     )
     g.add_argument(
+        "--goodput",
+        nargs="+",
+        default=None,
+        metavar="NAME:MS",
+        help="SLOs for goodput, e.g. ttft:200 tpot:50 e2el:5000 (ms); a request is good if it meets all of them",
+    )
+    g.add_argument("--save-result", default=None, metavar="PATH", help="write the result as JSON to PATH")
+    g.add_argument("--plot-path", default=None, metavar="PATH", help="write a PNG of the latency distributions")
+    add_load_args(g)
+    add_dataset_args(parser)
+
+
+def add_load_args(g: argparse._ArgumentGroup) -> None:
+    """The arrival schedule and concurrency flags, shared by `folio bench serve` and `folio bench sweep`."""
+    g.add_argument(
         "--request-rate",
         type=float,
         default=float("inf"),
@@ -45,27 +60,18 @@ def add_serve_bench_args(parser: argparse.ArgumentParser) -> None:
         help="Gamma shape of the inter-arrival times: 1 = Poisson, < 1 burstier, > 1 more uniform (default 1)",
     )
     g.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight (default: no limit)")
-    g.add_argument(
-        "--goodput",
-        nargs="+",
-        default=None,
-        metavar="NAME:MS",
-        help="SLOs for goodput, e.g. ttft:200 tpot:50 e2el:5000 (ms); a request is good if it meets all of them",
-    )
-    g.add_argument("--save-result", default=None, metavar="PATH", help="write the result as JSON to PATH")
-    g.add_argument("--plot-path", default=None, metavar="PATH", help="write a PNG of the latency distributions")
     g.add_argument("--request-timeout", type=float, default=600.0, help="seconds one request may take (default 600)")
-    add_dataset_args(parser)
 
 
-def _vocabulary(ns: argparse.Namespace) -> tuple[int, list[int], Any]:
-    """(vocab size, special ids to avoid, tokenize function or None); the tokenizer loads only for custom text."""
+def dataset_vocabulary(dataset_name: str, tokenizer: str | None) -> tuple[int, list[int], Any]:
+    """(vocab size, special ids to avoid, tokenize function or None) of the model or tokenizer at ``tokenizer``
+    (default: Folio's default model); the tokenizer loads only for custom text."""
     from folio.model.loader import default_model_path, load_tokenizer, read_model_spec
 
-    path = ns.tokenizer or default_model_path()
-    if ns.dataset_name == "w1":
+    path = tokenizer or default_model_path()
+    if dataset_name == "w1":
         return 0, [], None
-    if ns.dataset_name == "custom":
+    if dataset_name == "custom":
         tokenizer = load_tokenizer(path)
         return len(tokenizer), list(tokenizer.all_special_ids), lambda text: list(tokenizer.encode(text))
     spec = read_model_spec(path)
@@ -135,21 +141,12 @@ def format_table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def cmd_bench_serve(ns: argparse.Namespace) -> int:
-    """Runs the benchmark; exit 1 if no request succeeded (the table and JSON are still written)."""
-    slos = parse_goodput(ns.goodput)
-    if ns.max_concurrency is not None and ns.max_concurrency < 1:
-        raise ValueError(f"max_concurrency must be >= 1, got {ns.max_concurrency}")
-    base_url = ns.base_url.rstrip("/")
-    vocab_size, special_ids, tokenize = _vocabulary(ns)
-    requests = requests_from_args(ns, vocab_size, special_ids, tokenize)
+def benchmark_server(
+    base_url: str, model: str, requests: list[SampleRequest], ns: argparse.Namespace, slos: dict[str, float]
+) -> tuple[dict[str, Any], list[RequestResult]]:
+    """One benchmark run against a live server: the arrival schedule of the load flags in ``ns``, then vLLM's
+    metrics (goodput with per-request ``slos`` in ms). Returns the result dict and the per-request results."""
     offsets = arrival_offsets(len(requests), ns.request_rate, ns.burstiness, ns.seed)
-    model = ns.model or asyncio.run(_model_name(base_url))
-    print(
-        f"Benchmarking {model} at {base_url}: {len(requests)} requests, rate {ns.request_rate} req/s, "
-        f"burstiness {ns.burstiness}, max concurrency {ns.max_concurrency}",
-        flush=True,
-    )
     results, duration = asyncio.run(
         run_requests(base_url, model, requests, offsets, ns.max_concurrency, ns.request_timeout)
     )
@@ -166,6 +163,30 @@ def cmd_bench_serve(ns: argparse.Namespace) -> int:
         max_concurrency=ns.max_concurrency,
         goodput_slos_ms=slos or None,
         errors=sorted({r.error for r in results if r.error})[:10],
+    )
+    return result, results
+
+
+def check_load_args(ns: argparse.Namespace) -> None:
+    if ns.max_concurrency is not None and ns.max_concurrency < 1:
+        raise ValueError(f"max_concurrency must be >= 1, got {ns.max_concurrency}")
+
+
+def cmd_bench_serve(ns: argparse.Namespace) -> int:
+    """Runs the benchmark; exit 1 if no request succeeded (the table and JSON are still written)."""
+    slos = parse_goodput(ns.goodput)
+    check_load_args(ns)
+    base_url = ns.base_url.rstrip("/")
+    vocab_size, special_ids, tokenize = dataset_vocabulary(ns.dataset_name, ns.tokenizer)
+    requests = requests_from_args(ns, vocab_size, special_ids, tokenize)
+    model = ns.model or asyncio.run(model_name(base_url))
+    print(
+        f"Benchmarking {model} at {base_url}: {len(requests)} requests, rate {ns.request_rate} req/s, "
+        f"burstiness {ns.burstiness}, max concurrency {ns.max_concurrency}",
+        flush=True,
+    )
+    result, results = benchmark_server(base_url, model, requests, ns, slos)
+    result.update(
         input_lens=[r.prompt_len for r in results],
         output_lens=[r.output_tokens for r in results],
         ttfts=[r.ttft for r in results],
@@ -185,6 +206,6 @@ def cmd_bench_serve(ns: argparse.Namespace) -> int:
     return 0 if result["completed"] > 0 else 1
 
 
-async def _model_name(base_url: str) -> str:
+async def model_name(base_url: str) -> str:
     async with httpx.AsyncClient(timeout=30) as client:
         return await fetch_model_name(client, base_url)

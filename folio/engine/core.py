@@ -8,6 +8,7 @@ from folio.core.sched_output import EngineCoreOutput
 from folio.core.scheduler import Scheduler
 from folio.executor.uniproc import UniProcExecutor
 from folio.request import Request
+from folio.step_timer import SCHEDULE, UPDATE_FROM_OUTPUT, StepTimer
 
 
 class EngineCore:
@@ -22,6 +23,7 @@ class EngineCore:
             )
         self.kv_cache_manager = KVCacheManager(cache.num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager)
+        self.step_timer: StepTimer | None = None  # set only by profiling benchmarks (folio.step_timer)
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -35,6 +37,13 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         if not self.scheduler.has_unfinished_requests():
             return []
+        timer = self.step_timer
         scheduler_output = self.scheduler.schedule()
+        if timer is not None:
+            timer.lap(SCHEDULE)
+            timer.set_batch(len(scheduler_output.num_scheduled_tokens), scheduler_output.total_num_scheduled_tokens)
         runner_output = self.executor.execute_model(scheduler_output)
-        return self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if timer is not None:
+            timer.lap(UPDATE_FROM_OUTPUT)
+        return outputs

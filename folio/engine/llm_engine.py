@@ -14,6 +14,7 @@ from folio.executor.uniproc import UniProcExecutor
 from folio.model.loader import default_model_path, load_tokenizer, read_model_spec
 from folio.outputs import RequestOutput
 from folio.sampling_params import SamplingParams
+from folio.step_timer import OUTPUT_PROCESSING, StepTimer
 
 logger = logging.getLogger("folio")
 
@@ -33,6 +34,13 @@ class LLMEngine:
         )
         self.output_processor = OutputProcessor(tokenizer)
         self._request_counter = itertools.count()
+        self.step_timer: StepTimer | None = None
+
+    def set_step_timer(self, timer: StepTimer | None) -> None:
+        """Attach (or with None detach) per-phase step timings at every call site of an in-process step."""
+        self.step_timer = timer
+        self.engine_core.step_timer = timer
+        self.executor.set_step_timer(timer)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
@@ -79,8 +87,14 @@ class LLMEngine:
         return self.engine_core.has_unfinished_requests() or self.output_processor.has_unfinished_requests()
 
     def step(self) -> list[RequestOutput]:
+        timer = self.step_timer
+        if timer is not None:
+            timer.begin()
         core_outputs = self.engine_core.step()
         processed = self.output_processor.process_outputs(core_outputs)
         if processed.child_ids_to_abort:
             self.engine_core.abort_requests(processed.child_ids_to_abort)
+        if timer is not None:
+            timer.lap(OUTPUT_PROCESSING)
+            timer.end()
         return processed.request_outputs

@@ -5,6 +5,7 @@ from __future__ import annotations
 from folio.config import EngineConfig
 from folio.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from folio.model.loader import ModelSpec
+from folio.step_timer import StepTimer
 from folio.worker.worker import Worker
 
 
@@ -19,6 +20,9 @@ class UniProcExecutor:
     @property
     def model_spec(self) -> ModelSpec:
         return self.worker.spec
+
+    def set_step_timer(self, timer: StepTimer | None) -> None:
+        self.worker.model_runner.step_timer = timer
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(scheduler_output)

@@ -10,9 +10,11 @@ import torch
 
 from folio.core.sched_output import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from folio.model.llama import LlamaForCausalLM
+from folio.model.noop import NoopCausalLM
 from folio.sample.logprobs import compute_prompt_logprobs
 from folio.sample.metadata import SamplingMetadata
 from folio.sample.sampler import Sampler
+from folio.step_timer import FORWARD, PREPARE_INPUTS, SAMPLE, StepTimer
 from folio.worker.input_batch import ModelInput, prepare_model_input
 from folio.worker.request_state import CachedRequestState, RequestStates
 
@@ -31,7 +33,7 @@ def step_seed(seed: int, num_output_tokens: int) -> int:
 class ModelRunner:
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: LlamaForCausalLM | NoopCausalLM,
         kv_caches: list[torch.Tensor],
         block_size: int,
         vocab_size: int,
@@ -44,6 +46,7 @@ class ModelRunner:
         self.device = device
         self.requests = RequestStates()
         self.sampler = Sampler()
+        self.step_timer: StepTimer | None = None  # set only by profiling benchmarks (folio.step_timer)
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -57,17 +60,25 @@ class ModelRunner:
         model_input = prepare_model_input(
             states, [sched.num_scheduled_tokens[r] for r in req_ids], self.block_size, self.device
         )
+        timer = self.step_timer
+        if timer is not None:
+            timer.lap(PREPARE_INPUTS)
         hidden = self.model(model_input.input_ids, model_input.positions, self.kv_caches, model_input.attn)
         logits = self.model.compute_logits(hidden[model_input.logits_indices])  # [S + P, vocab]
+        if timer is not None:
+            timer.lap(FORWARD)
         num_sampled = len(model_input.sample_req_ids)
         sampled = self._sample(logits[:num_sampled], model_input)
         prompt_logprobs = self._prompt_logprobs(logits[num_sampled:], model_input)
-        return ModelRunnerOutput(
+        output = ModelRunnerOutput(
             req_ids=req_ids,
             sampled_token_ids=[sampled.get(r, ([], None))[0] for r in req_ids],
             logprobs=[sampled.get(r, ([], None))[1] for r in req_ids],
             prompt_logprobs=prompt_logprobs,
         )
+        if timer is not None:
+            timer.lap(SAMPLE)
+        return output
 
     def _update_states(self, sched: SchedulerOutput) -> None:
         self.requests.remove(sched.finished_req_ids | sched.preempted_req_ids)

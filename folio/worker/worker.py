@@ -12,6 +12,7 @@ from folio.config import EngineConfig
 from folio.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from folio.model.llama import LlamaForCausalLM
 from folio.model.loader import ModelSpec, load_model
+from folio.model.noop import NoopCausalLM
 from folio.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("folio")
@@ -70,19 +71,24 @@ class Worker:
         num_blocks = self.determine_num_blocks()
         config.cache_config.num_blocks = num_blocks
         self._report_capacity(num_blocks)
+        # The no-op model never touches K/V, so its KV cache is accounted (blocks) but not allocated.
+        noop = isinstance(self.model, NoopCausalLM)
         self.model_runner = ModelRunner(
             self.model,
-            self.kv_shape.allocate(num_blocks, self.device),
+            [] if noop else self.kv_shape.allocate(num_blocks, self.device),
             config.cache_config.block_size,
             self.spec.vocab_size,
             self.device,
         )
 
-    def _load(self) -> tuple[LlamaForCausalLM, ModelSpec]:
+    def _load(self) -> tuple[LlamaForCausalLM | NoopCausalLM, ModelSpec]:
         from folio.model.loader import read_model_spec
 
         spec = read_model_spec(self.config.model_config.model)
         self.dtype = resolve_dtype(self.config.model_config.dtype, spec.checkpoint_dtype, self.device)
+        if self.config.model_config.model_impl == "noop":
+            logger.info("No-op model with the shapes of %s (engine-overhead benchmarks only)", spec.architecture)
+            return NoopCausalLM(spec, self.dtype, self.device), spec
         logger.info("Loading %s as %s on %s", self.config.model_config.model, self.dtype, self.device)
         model, spec = load_model(self.config.model_config.model, self.dtype, self.device)
         return model, spec

@@ -1,0 +1,74 @@
+"""A `folio serve` subprocess on 127.0.0.1 and a free port, for benchmarks that need a fresh server per setting.
+
+Started the way tests/server/conftest.py starts its servers: the same interpreter (``python -m folio.cli serve``),
+output to a log file (a pipe could fill up and block the server), ready once ``GET /health`` answers 200, stopped
+with SIGTERM (the server drains, then exits 0).
+"""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+START_TIMEOUT_S = 300.0
+STOP_TIMEOUT_S = 40.0
+
+
+def free_port() -> int:
+    """A port that was free a moment ago (the OS picks it); the server binds it right after."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class ServeProcess:
+    """One `folio serve` with ``serve_args`` (engine and server flags); ``start`` waits until it is healthy."""
+
+    def __init__(self, serve_args: list[str], log_path: Path) -> None:
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self.args = [sys.executable, "-m", "folio.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port)]
+        self.args += ["--uvicorn-log-level", "warning", *serve_args]
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout_s: float = START_TIMEOUT_S) -> None:
+        """Starts the server and waits for /health; RuntimeError with the log's tail if it exits or times out."""
+        with open(self.log_path, "wb") as log:
+            self.process = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"folio serve exited with {self.process.returncode}:\n{self.log_tail()}")
+            try:
+                if httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"folio serve was not healthy after {timeout_s:.0f} s:\n{self.log_tail()}")
+
+    def stop(self) -> None:
+        """SIGTERM, then SIGKILL if it has not exited within STOP_TIMEOUT_S."""
+        process = self.process
+        if process is None or process.poll() is not None:
+            return
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=10)
+
+    def log_tail(self, num_chars: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-num_chars:]
+        except OSError:
+            return ""

@@ -1,0 +1,70 @@
+"""`folio bench sweep`: flag handling in-process, and a real two-point sweep of `folio serve` subprocesses."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from folio.cli import main
+from tests.server.conftest import TEST_KV_BYTES, folio_script
+
+NUM_PROMPTS = 4
+
+
+def test_pass_through_flags_are_checked_before_any_server_starts(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "sweep", "--max-num-seqs", "8"]) == 2
+    assert "use --max-num-seqs-grid" in capsys.readouterr().err
+    assert main(["bench", "sweep", "--no-such-flag=1"]) == 2
+    assert "folio serve takes --no-such-flag=1" in capsys.readouterr().err
+    assert main(["bench", "sweep", "--slo", "ttft_p95_ms=5"]) == 2
+    with pytest.raises(SystemExit):  # other commands still refuse unknown flags
+        main(["bench", "latency", "--max-model-len-typo", "5"])
+    assert "unrecognized arguments: --max-model-len-typo" in capsys.readouterr().err
+
+
+def test_sweep_two_settings_against_folio_serve(tmp_path: Path) -> None:
+    result_path, plot_path = tmp_path / "sweep.json", tmp_path / "sweep.png"
+    args = [folio_script(), "bench", "sweep", "--max-num-seqs-grid", "1,4", "--max-num-batched-tokens-grid", "256"]
+    args += ["--slo", "ttft_p99_ms=600000", "tpot_p99_ms=600000", "--num-prompts", str(NUM_PROMPTS)]
+    args += ["--random-input-len", "16", "--random-output-len", "4", "--seed", "3"]
+    args += ["--save-result", str(result_path), "--plot-path", str(plot_path), "--server-log-dir", str(tmp_path)]
+    args += ["--max-model-len", "512", "--kv-cache-memory-bytes", str(TEST_KV_BYTES), "--dtype", "float32"]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+    report = json.loads(result_path.read_text())
+    points = report["points"]
+    assert [(p["max_num_seqs"], p["max_num_batched_tokens"]) for p in points] == [(1, 256), (4, 256)]
+    assert report["serve_args"][:2] == ["--max-model-len", "512"]
+    assert [t["key"] for t in report["slo"]] == ["p99_ttft_ms", "p99_tpot_ms"]
+    for point in points:
+        result = point["result"]
+        assert result["completed"] == NUM_PROMPTS and result["failed"] == 0
+        assert result["total_output_tokens"] == NUM_PROMPTS * 4
+        within = result["p99_ttft_ms"] <= 600000 and result["p99_tpot_ms"] <= 600000
+        assert point["meets_slo"] == within and point["violations"] == ([] if within else point["violations"])
+        assert point["goodput"] == result["request_goodput"] <= result["request_throughput"]
+
+    # the recommendation is the point with the highest goodput among those meeting the SLO
+    meeting = [i for i, p in enumerate(points) if p["meets_slo"]]
+    best = report["recommended"]
+    assert best in meeting
+    assert points[best]["goodput"] == max(points[i]["goodput"] for i in meeting)
+    chosen = report["recommended_setting"]
+    assert chosen == {k: points[best][k] for k in ("max_num_seqs", "max_num_batched_tokens")}
+    expected = (
+        f"Recommended: max_num_seqs={chosen['max_num_seqs']}, max_num_batched_tokens="
+        f"{chosen['max_num_batched_tokens']}: goodput {points[best]['goodput']:.2f} req/s, the highest of the "
+        f"{len(meeting)} of 2 settings that meet the SLO"
+    )
+    assert expected in proc.stdout and report["recommendation"][0].startswith(expected)
+    # the table has one row per setting, the recommended one starred
+    rows = [m.groups() for line in proc.stdout.splitlines() if (m := re.match(r"([* ~]) +(\d+) +(\d+) ", line))]
+    assert [r[1:] for r in rows] == [("1", "256"), ("4", "256")]
+    assert [r[0] for r in rows].count("*") == 1 and rows[best][0] == "*"
+    assert plot_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(p.name for p in tmp_path.glob("serve_*.log")) == ["serve_1_256.log", "serve_4_256.log"]
