@@ -20,6 +20,7 @@ from torch import nn
 from folio.attention.backends.base import AttentionBackend
 from folio.attention.metadata import AttnMetadata
 from folio.model.layers.activation import silu_and_mul
+from folio.model.layers.cpu_gemm import pack_weight, packed_linear
 from folio.model.layers.embedding import VocabEmbedding, compute_lm_logits
 from folio.model.layers.linear import Linear, MergedLinear
 from folio.model.layers.norm import RMSNorm
@@ -121,6 +122,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(spec, attn_backend)
         # Tied embeddings: compute_logits reads the embedding matrix; there is no separate lm_head.
         self.lm_head = None if spec.tie_word_embeddings else Linear(spec.hidden_size, spec.vocab_size)
+        self.tied_lm_head_packed: torch.Tensor | None = None  # set by pack_for_cpu when embeddings are tied
 
     def forward(
         self,
@@ -132,8 +134,22 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, attn)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, hidden] -> [S, vocab] float32
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return compute_lm_logits(hidden, weight)
+        if self.lm_head is not None:
+            return self.lm_head(hidden).float()
+        if self.tied_lm_head_packed is not None:
+            return packed_linear(hidden, self.tied_lm_head_packed, None).float()
+        return compute_lm_logits(hidden, self.model.embed_tokens.weight)
+
+    def pack_for_cpu(self) -> None:
+        """Packs every projection and the LM head for oneDNN (folio.model.layers.cpu_gemm); call after loading.
+
+        A tied LM head gets a packed copy: the embedding lookup still needs the plain matrix.
+        """
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack_for_cpu()
+        if self.lm_head is None:
+            self.tied_lm_head_packed = pack_weight(self.model.embed_tokens.weight.data)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copies checkpoint tensors (Hugging Face names) into the params, converting dtype and device.

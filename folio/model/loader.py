@@ -18,6 +18,7 @@ from folio.attention.selector import get_attention_backend
 from folio.model.gguf_file import open_gguf
 from folio.model.gguf_loader import iter_gguf_weights, read_gguf_spec
 from folio.model.hf_loader import iter_safetensors_weights, read_hf_spec
+from folio.model.layers.cpu_gemm import can_pack
 from folio.model.llama import LlamaForCausalLM
 from folio.model.registry import get_model_class
 from folio.model.spec import ModelSpec
@@ -84,6 +85,8 @@ def load_model(
         model.load_weights(weights)
     except ValueError as e:  # errors from the weight readers already name the file
         raise ValueError(str(e) if path in str(e) else f"{path}: {e}") from None
+    if can_pack(device, dtype):
+        model.pack_for_cpu()
     return model.eval(), spec
 
 

@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from folio.model.layers.cpu_gemm import pack_weight, packed_linear
+
 
 class Linear(nn.Module):
     """y = x @ weight.T (+ bias); weight [out_features, in_features]."""
@@ -20,9 +22,20 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.packed_weight: torch.Tensor | None = None  # set by pack_for_cpu (folio.model.layers.cpu_gemm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed_weight is not None:
+            return packed_linear(x, self.packed_weight, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+    def pack_for_cpu(self) -> None:
+        """Packs the loaded weight for oneDNN and releases the plain copy (so the model's memory does not double).
+
+        Call once, after the weights are loaded; the layer can't be reloaded afterwards.
+        """
+        self.packed_weight = pack_weight(self.weight.data)
+        self.weight.data = torch.empty(0, dtype=self.weight.dtype, device=self.weight.device)
 
 
 class MergedLinear(Linear):
