@@ -104,17 +104,19 @@ class TorchBatchedBackend:
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [Q, H, D] at the last Q positions of k/v [S, KV, D] -> [Q, H, D], causal."""
-    query_len, num_heads, _ = q.shape
-    seq_len, num_kv_heads, _ = k.shape
-    group = num_heads // num_kv_heads
-    qh = q.transpose(0, 1)  # [H, Q, D]
-    kh = k.to(q.dtype).repeat_interleave(group, dim=1).transpose(0, 1)  # [H, S, D]
-    vh = v.to(q.dtype).repeat_interleave(group, dim=1).transpose(0, 1)
+    """q [Q, H, D] at the last Q positions of k/v [S, KV, D] -> [Q, H, D], causal.
+
+    4-D inputs with enable_gqa (no repeat_interleave of K/V): that is what lets torch pick its fused flash kernel
+    on the CPU; 3-D inputs fell back to the math path at half the speed (docs/performance.md).
+    """
+    query_len, seq_len = q.shape[0], k.shape[0]
+    qh = q.transpose(0, 1)[None]  # [1, H, Q, D]
+    kh = k.to(q.dtype).transpose(0, 1)[None]  # [1, KV, S, D]
+    vh = v.to(q.dtype).transpose(0, 1)[None]
     if query_len == seq_len:
-        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
     else:
         query_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)[:, None]
         allowed = torch.arange(seq_len, device=q.device)[None, :] <= query_pos  # [Q, S]
-        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=allowed, scale=scale)
-    return out.transpose(0, 1)
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=allowed, scale=scale, enable_gqa=True)
+    return out[0].transpose(0, 1)
