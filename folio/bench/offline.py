@@ -10,11 +10,13 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from dataclasses import asdict
 from typing import Any
 
 import numpy as np
 
 from folio.bench.datasets import SampleRequest, requests_from_args, sample_random
+from folio.bench.kv_usage import KVUsageSampler, summarize_kv_usage
 from folio.bench.profile import format_profile, summarize_steps
 from folio.step_timer import StepTimer
 
@@ -59,9 +61,12 @@ def cmd_bench_throughput(ns: argparse.Namespace) -> int:
     requests = requests_from_args(
         ns, llm.llm_engine.model_spec.vocab_size, _special_ids(llm), lambda text: list(tokenizer.encode(text))
     )
+    sampler = KVUsageSampler()
+    llm.llm_engine.stats_observer = sampler
     start = time.perf_counter()
     outputs = _generate(llm, requests, use_tqdm=not ns.disable_tqdm)
     elapsed = time.perf_counter() - start
+    llm.llm_engine.stats_observer = None
     num_input = sum(len(o.prompt_token_ids) for o in outputs)
     num_output = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     result = {
@@ -79,6 +84,12 @@ def cmd_bench_throughput(ns: argparse.Namespace) -> int:
         f"{result['tokens_per_second']:.2f} total tokens/s, {result['output_tokens_per_second']:.2f} output tokens/s"
     )
     print(f"Total num prompt tokens: {num_input}  Total num output tokens: {num_output}  Elapsed: {elapsed:.2f} s")
+    max_model_len = llm.llm_engine.config.scheduler_config.max_model_len
+    mean_request_max = sum(len(r.prompt_token_ids) + r.output_len for r in requests) / len(requests)
+    kv_usage = summarize_kv_usage(sampler.samples, max_model_len, mean_request_max)
+    if kv_usage is not None:
+        print("\n".join(kv_usage.lines(max_model_len, mean_request_max)))
+        result["kv_cache_usage"] = asdict(kv_usage)
     _write_json(ns.output_json, result)
     return 0
 

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from folio.config import EngineArgs, EngineConfig
+from folio.core.scheduler import SchedulerStats
 from folio.engine.core import EngineCore
 from folio.engine.input_processor import InputProcessor, PromptType
 from folio.engine.output_processor import OutputProcessor, RequestOutputKind
@@ -35,6 +37,8 @@ class LLMEngine:
         self.output_processor = OutputProcessor(tokenizer)
         self._request_counter = itertools.count()
         self.step_timer: StepTimer | None = None
+        # Called with the scheduler's snapshot after every step when set (benchmarks: KV occupancy over a run).
+        self.stats_observer: Callable[[SchedulerStats], None] | None = None
 
     def set_step_timer(self, timer: StepTimer | None) -> None:
         """Attach (or with None detach) per-phase step timings at every call site of an in-process step."""
@@ -97,4 +101,6 @@ class LLMEngine:
         if timer is not None:
             timer.lap(OUTPUT_PROCESSING)
             timer.end()
+        if self.stats_observer is not None:
+            self.stats_observer(self.engine_core.scheduler.get_stats())
         return processed.request_outputs

@@ -52,6 +52,13 @@ def test_bench_throughput(tmp_path: Path) -> None:
     assert "Throughput:" in proc.stdout and "output tokens/s" in proc.stdout
     result = json.loads(out.read_text())
     assert (result["num_requests"], result["total_input_tokens"], result["total_output_tokens"]) == (4, 64, 16)
+    # 4 requests of 16 prompt tokens in blocks of 16, sampled after each step while all 4 run: computed 16, 17, 18
+    # tokens each (the 4th step finishes them) -> live/held 64/64, 68/128, 72/128
+    usage = result["kv_cache_usage"]
+    assert (usage["peak_running"], usage["steps_at_peak"]) == (4, 3)
+    assert usage["paged"] == (64 / 64 + 68 / 128 + 72 / 128) / 3
+    assert usage["contiguous_max_model_len"] == (64 + 68 + 72) / (4 * 512) / 3
+    assert "live tokens fill 69.8% of the allocated KV blocks" in proc.stdout
 
 
 def test_bench_latency(tmp_path: Path) -> None:
