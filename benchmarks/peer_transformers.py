@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 
 from folio import LLM, SamplingParams
-from folio.model.loader import default_model_path
+from folio.bench.roofline import measure_matmul_flops, workload_ceiling
+from folio.model.loader import default_model_path, read_model_spec
 
 W1 = Path(__file__).resolve().parents[2] / "shared" / "workloads" / "w1_prompts.json"
 
@@ -65,11 +66,24 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--batch-sizes", default="8,32,64", help="transformers static batch sizes to try")
+    parser.add_argument("--output-json", default=None, help="write the figures as JSON here")
     args = parser.parse_args()
     data = json.loads(Path(args.workload).read_text())
     prompts = [p["ids"] for p in data["prompts"]][: args.num_prompts]
+    spec = read_model_spec(default_model_path())
+    matmul = measure_matmul_flops()
+    ceiling = workload_ceiling(spec, [(len(p), args.output_len) for p in prompts], matmul)
+    print(
+        f"FLOP ceiling: {ceiling.workload_flops / 1e12:.2f} TFLOP of matmuls at a measured {matmul / 1e9:.0f} GFLOP/s "
+        f"(best float32 GEMM, 2048^3) -> {ceiling.output_tokens_per_second:.0f} output tok/s",
+        flush=True,
+    )
     folio_tps = run_folio(prompts, args.output_len)
-    print(f"folio: {folio_tps:.1f} output tok/s", flush=True)
+    print(
+        f"folio: {folio_tps:.1f} output tok/s = {100 * folio_tps / ceiling.output_tokens_per_second:.0f}% of the "
+        "FLOP ceiling",
+        flush=True,
+    )
     peers = {}
     for batch_size in (int(b) for b in args.batch_sizes.split(",")):
         peers[batch_size] = run_transformers(prompts, args.output_len, batch_size, pad_id=2)
@@ -79,6 +93,14 @@ def main() -> None:
         f"folio / best transformers (batch {best}): {folio_tps:.1f} / {peers[best]:.1f} = "
         f"{folio_tps / peers[best]:.2f}x"
     )
+    if args.output_json:
+        result = {
+            "folio_output_tokens_per_second": folio_tps,
+            "transformers_output_tokens_per_second": {str(b): v for b, v in peers.items()},
+            "matmul_flops": matmul,
+            "ceiling_output_tokens_per_second": ceiling.output_tokens_per_second,
+        }
+        Path(args.output_json).write_text(json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":
