@@ -64,7 +64,13 @@ def load_kernel_library(name: str) -> ctypes.CDLL | None:
         return None
     source = Path(__file__).with_name(f"{name}.c")
     key = hashlib.sha256()
-    for part in (source.read_bytes(), " ".join(_CFLAGS + _LIBS).encode(), _cpu_signature().encode(), compiler.encode()):
+    headers = sorted(source.parent.glob(f"{name}*.h"))  # included by the source: part of what gets built
+    for part in (
+        *(path.read_bytes() for path in (source, *headers)),
+        " ".join(_CFLAGS + _LIBS).encode(),
+        _cpu_signature().encode(),
+        compiler.encode(),
+    ):
         key.update(part)
     target = _cache_dir() / f"{name}-{key.hexdigest()[:16]}.so"
     try:

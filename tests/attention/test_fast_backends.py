@@ -102,13 +102,45 @@ def test_long_contexts_model_shapes(backend_name: str) -> None:
 
 def test_selector_picks_the_kernel_for_cpu_float32() -> None:
     assert isinstance(get_attention_backend(torch.device("cpu"), torch.float32), CpuPagedBackend)
-    assert isinstance(get_attention_backend(torch.device("cpu"), torch.bfloat16), TorchBatchedBackend)
+    assert isinstance(get_attention_backend(torch.device("cpu"), torch.bfloat16), CpuPagedBackend)
+    assert isinstance(get_attention_backend(torch.device("cpu"), torch.float16), TorchBatchedBackend)
 
 
 def test_kernel_backend_rejects_other_dtypes() -> None:
     backend = _make_backend("cpu_paged")
     attn = build_attn_metadata([1], [1], [[0]], 4)
-    q = torch.zeros(1, 2, 8, dtype=torch.bfloat16)
-    kv = torch.zeros(1, 2, 8, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="float32"):
-        backend.forward(q, kv, kv, torch.zeros(2, 1, 4, 2, 8, dtype=torch.bfloat16), attn, 1.0)
+    q = torch.zeros(1, 2, 8, dtype=torch.float16)
+    kv = torch.zeros(1, 2, 8, dtype=torch.float16)
+    with pytest.raises(ValueError, match="float16"):
+        backend.forward(q, kv, kv, torch.zeros(2, 1, 4, 2, 8, dtype=torch.float16), attn, 1.0)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_kernel_with_bfloat16_cache(seed: int) -> None:
+    """A bfloat16 model: bf16 queries and cache, float32 math in the kernel; the oracle runs in float32 on the same
+    (bf16-rounded) values, so only the output's final rounding to bf16 differs."""
+    rng = random.Random(seed)
+    seq_lens = [rng.randint(1, 90) for _ in range(rng.randint(1, 8))]
+    query_lens = [rng.choice([1, 1, s, rng.randint(0, s)]) for s in seq_lens]
+    block_size, (num_heads, num_kv_heads), head_dim = rng.choice([4, 16]), rng.choice([(9, 3), (6, 2)]), 64
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = sum(-(-s // block_size) for s in seq_lens) + 2
+    tables, next_block = [], 0
+    for s in seq_lens:
+        n = -(-s // block_size)
+        tables.append(list(range(next_block, next_block + n))[::-1])  # reversed: non-contiguous order
+        next_block += n
+    kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen).bfloat16()
+    num_tokens = sum(query_lens)
+    query = torch.randn(num_tokens, num_heads, head_dim, generator=gen).bfloat16()
+    key = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).bfloat16()
+    value = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).bfloat16()
+    attn = build_attn_metadata(query_lens, seq_lens, tables, block_size)
+    scale = head_dim**-0.5
+    ref_cache = kv_cache.float()
+    expected = TorchReferenceBackend().forward(query.float(), key.float(), value.float(), ref_cache, attn, scale)
+    fast_cache = kv_cache.clone()
+    out = _make_backend("cpu_paged").forward(query, key, value, fast_cache, attn, scale)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), expected, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(fast_cache.float(), ref_cache, rtol=0, atol=0)

@@ -1,4 +1,6 @@
-"""CpuPagedBackend: float32 paged attention on the CPU through a C kernel that reads K/V blocks in place.
+"""CpuPagedBackend: paged attention on the CPU through a C kernel that reads K/V blocks in place.
+
+The cache may hold float32 or bfloat16; the kernel computes in float32 either way.
 
 Every query row whose context is (partly) in the cache — decodes, and prefill chunks after cached or earlier
 tokens — goes to ``folio/kernels/paged_attention_cpu.c`` in one call per layer: no gather of the context into a
@@ -26,15 +28,24 @@ _i64, _f32, _int, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_
 _KERNEL_ARGTYPES: list[Any] = [_ptr] * 4 + [_i64] * 3 + [_ptr, _i64] + [_ptr] * 3 + [_i64] * 5 + [_f32, _int]
 
 
-def load_paged_attention_kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    """The C entry point, or None where no compiler is available (the selector then picks the torch backend)."""
+# K/V cache dtype -> the kernel's entry point for it
+_ENTRY_POINTS = {torch.float32: "folio_paged_attention_f32", torch.bfloat16: "folio_paged_attention_bf16"}
+SUPPORTED_KV_DTYPES = tuple(_ENTRY_POINTS)
+
+
+def load_paged_attention_kernel() -> dict[torch.dtype, Any] | None:
+    """The C entry points by K/V cache dtype, or None where no compiler is available (the selector then picks
+    the torch backend)."""
     lib = load_kernel_library("paged_attention_cpu")
     if lib is None:
         return None
-    fn = lib.folio_paged_attention_f32
-    fn.argtypes = _KERNEL_ARGTYPES
-    fn.restype = ctypes.c_int
-    return fn
+    kernels = {}
+    for dtype, symbol in _ENTRY_POINTS.items():
+        fn = getattr(lib, symbol)
+        fn.argtypes = _KERNEL_ARGTYPES
+        fn.restype = ctypes.c_int
+        kernels[dtype] = fn
+    return kernels
 
 
 @dataclass
@@ -49,8 +60,8 @@ class _KernelRows:
 
 
 class CpuPagedBackend:
-    def __init__(self, kernel: ctypes._CFuncPtr) -> None:  # type: ignore[name-defined]
-        self._kernel = kernel
+    def __init__(self, kernels: dict[torch.dtype, Any]) -> None:
+        self._kernels = kernels
         self._rows_for: AttnMetadata | None = None
         self._rows: _KernelRows | None = None
 
@@ -64,17 +75,21 @@ class CpuPagedBackend:
         scale: float,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         """Writes key/value at attn.slot_mapping, then causal attention of each query over its context."""
-        if query.dtype != torch.float32 or kv_cache.dtype != torch.float32 or query.device.type != "cpu":
-            raise ValueError(f"CpuPagedBackend runs float32 on the CPU, got {query.dtype} on {query.device}")
+        kernel = self._kernels.get(kv_cache.dtype)
+        if kernel is None or query.device.type != "cpu":
+            raise ValueError(
+                f"CpuPagedBackend needs a CPU K/V cache of {SUPPORTED_KV_DTYPES}, "
+                f"got {kv_cache.dtype} on {query.device}"
+            )
         write_kv(key, value, kv_cache, attn.slot_mapping)
         plan = self._kernel_rows(attn)
-        query = query.contiguous()
-        out = torch.empty_like(query)
+        query32 = query.float().contiguous()  # the kernel computes in float32 whatever the cache holds
+        out = torch.empty_like(query32)
         num_rows = plan.rows.numel()
         if num_rows:
             _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
-            status = self._kernel(
-                query.data_ptr(),
+            status = kernel(
+                query32.data_ptr(),
                 out.data_ptr(),
                 kv_cache[0].data_ptr(),
                 kv_cache[1].data_ptr(),
@@ -87,7 +102,7 @@ class CpuPagedBackend:
                 plan.row_req.data_ptr(),
                 plan.row_ctx.data_ptr(),
                 num_rows,
-                query.shape[1],
+                query32.shape[1],
                 num_kv_heads,
                 head_dim,
                 block_size,
@@ -99,7 +114,7 @@ class CpuPagedBackend:
         for i in plan.fresh_prefills:
             start, end = attn.query_start_loc_cpu[i], attn.query_start_loc_cpu[i + 1]
             out[start:end] = prefill_attention(query[start:end], key[start:end], value[start:end], scale)
-        return out
+        return out.to(query.dtype)
 
     def _kernel_rows(self, attn: AttnMetadata) -> _KernelRows:
         if self._rows_for is attn and self._rows is not None:
