@@ -305,6 +305,13 @@ def bench_server(server: Server, label: str, spec: BenchSpec, stamp: str) -> lis
     return results
 
 
+def folio_label(extra_args: str) -> str:
+    """ "folio" for the float32 default, "folio-<dtype>" when --folio-args picks another dtype."""
+    args = shlex.split(extra_args)
+    dtype = args[args.index("--dtype") + 1] if "--dtype" in args[:-1] else "float32"
+    return "folio" if dtype == "float32" else f"folio-{dtype}"
+
+
 def folio_server(model: str, extra_args: str, stamp: str) -> Server:
     """`folio serve` on 127.0.0.1 at a free port, float32 (the CPU default, stated explicitly)."""
     cmd = [str(FOLIO_BIN), "serve", model, "--host", "127.0.0.1", "--port", PORT, "--dtype", "float32"]
@@ -365,7 +372,9 @@ def compare(
             for label, server in peer_servers:
                 peer_results += bench_server(server, label, spec, stamp)
         if not ns.skip_folio:
-            folio_results = bench_server(folio_server(model, ns.folio_args, stamp), "folio", spec, stamp)
+            folio_results = bench_server(
+                folio_server(model, ns.folio_args, stamp), folio_label(ns.folio_args), spec, stamp
+            )
     finally:
         if peer_results or folio_results:
             print_table(peer_results, folio_results)

@@ -31,7 +31,8 @@ class KVUsageReport:
     def lines(self, max_model_len: int, mean_request_max: float) -> list[str]:
         return [
             f"KV cache usage at full concurrency ({self.peak_running} running, {self.steps_at_peak} steps): "
-            f"live tokens fill {100 * self.paged:.1f}% of the allocated KV blocks (paged)",
+            f"live tokens fill {100 * self.paged:.1f}% of the allocated KV blocks (paged"
+            + (", over 100%: requests share prefix blocks, each counts its own tokens)" if self.paged > 1 else ")"),
             f"  a contiguous allocation of max_model_len ({max_model_len}) per sequence would be "
             f"{100 * self.contiguous_max_model_len:.1f}% full; of each request's own maximum "
             f"(prompt + max_tokens, mean {mean_request_max:.0f}) {100 * self.contiguous_request_max:.1f}% full",
