@@ -58,9 +58,10 @@ def main() -> None:
     print("| --- | --- | --- | --- |")
     bars: list[tuple[str, float]] = []
     if offline is not None:
-        for label, tps in offline_rows(offline):
+        short_names = ("folio\noffline", "transformers\nstatic batch")
+        for (label, tps), short in zip(offline_rows(offline), short_names, strict=True):
             print(f"| {label} | {tps:.1f} | | |")
-            bars.append((label.split(",")[0].replace(" (offline)", "\n(offline)"), tps))
+            bars.append((short, tps))
     for (label, rate), r in sorted(serve.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         how = "saturation, 64 in flight" if math.isinf(rate) else f"Poisson {rate:g} req/s"
         print(
@@ -83,7 +84,8 @@ def main() -> None:
     for i, v in enumerate(values):
         ax.text(i, v, f"{v:.0f}", ha="center", va="bottom")
     if offline is not None:
-        ax.axhline(offline["ceiling_output_tokens_per_second"], color="tab:red", linestyle="--", label="FLOP ceiling")
+        ceiling = offline["ceiling_output_tokens_per_second"]
+        ax.axhline(ceiling, color="tab:red", linestyle="--", label="float32 FLOP ceiling")
         ax.legend()
     ax.set_ylabel("output tokens / s")
     ax.set_title("W1 on 2 CPU cores (SmolLM2-135M): Folio vs peers, same machine, same session")
