@@ -5,10 +5,11 @@
  * straight out of the cache. Items are spread over the OpenMP threads of torch's own runtime (the library is
  * loaded after torch, so "libgomp.so.1" resolves to the copy torch already loaded).
  *
- * The cache holds float32 or bfloat16 (folio_paged_attention_f32 / _bf16); q, scores and out are float32.
+ * The cache holds float32 or bfloat16 (folio_paged_attention_f32 / _bf16); scores and sums are float32.
  *
- * Layouts (all contiguous):
- *   q, out       [T, H, D]          rows[i] selects the query row of item row i
+ * Layouts:
+ *   q, out       [T, H, D]          rows[i] selects the query row of item row i; q's rows may be strided, and q
+ *                                   and out may each be float32 or bfloat16 (converted once per item)
  *   k/v_cache    [NB, BS, KV, D]    position p of a request lives at block_table[req][p / BS], offset p % BS
  *   block_table  [R, bt_stride] int32
  *   row_req [N] int32 request of each row; row_ctx [N] int32 positions 0..row_ctx-1 are visible to the row.
@@ -27,6 +28,9 @@
 #include <immintrin.h>
 #endif
 
+/* query rows per prefill work item (see folio_prefill_attention_*) */
+#define PREFILL_TILE 16
+
 #define CAT_(a, b) a##b
 #define CAT(a, b) CAT_(a, b)
 
@@ -37,11 +41,76 @@ static inline float bf16_to_f32(uint16_t x) {
     return f;
 }
 
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch's .to(torch.bfloat16) */
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40);
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
+/* dst[0..n) = src[offset..offset+n) as float32, src float32 or (is_bf16) bfloat16 */
+static void load_as_f32(const void *src, int is_bf16, int64_t offset, int64_t n, float *dst) {
+    if (is_bf16) {
+        const uint16_t *s = (const uint16_t *)src + offset;
+        for (int64_t j = 0; j < n; ++j) dst[j] = bf16_to_f32(s[j]);
+    } else {
+        memcpy(dst, (const float *)src + offset, sizeof(float) * n);
+    }
+}
+
+static void store_from_f32(void *dst, int is_bf16, int64_t offset, int64_t n, const float *src) {
+    if (is_bf16) {
+        uint16_t *d = (uint16_t *)dst + offset;
+        for (int64_t j = 0; j < n; ++j) d[j] = f32_to_bf16(src[j]);
+    } else {
+        memcpy((float *)dst + offset, src, sizeof(float) * n);
+    }
+}
+
 #ifdef __AVX512F__
 static inline __m512 load16_f32(const float *p) { return _mm512_loadu_ps(p); }
 static inline __m512 load16_bf16(const uint16_t *p) {
     const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
     return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+/* r[i] <- column i of the 16 x 16 block whose rows are r[0..15] (unpack, shuffle within and across lanes) */
+static inline void transpose16(__m512 r[16]) {
+    __m512 t[16];
+    for (int i = 0; i < 8; ++i) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);     /* a0 b0 a1 b1 | a4 b4 a5 b5 | ... */
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]); /* a2 b2 a3 b3 | ... */
+    }
+    for (int i = 0; i < 4; ++i) { /* r[4i + k], lane L: rows 4i..4i+3 of column k + 4L */
+        r[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+        r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+        r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+        r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+    }
+    for (int k = 0; k < 4; ++k) { /* column k + 4L = lane L of r[k], r[4 + k], r[8 + k], r[12 + k] */
+        const __m512 u0 = _mm512_shuffle_f32x4(r[k], r[4 + k], 0x44), u1 = _mm512_shuffle_f32x4(r[k], r[4 + k], 0xEE);
+        const __m512 u2 = _mm512_shuffle_f32x4(r[8 + k], r[12 + k], 0x44);
+        const __m512 u3 = _mm512_shuffle_f32x4(r[8 + k], r[12 + k], 0xEE);
+        t[k] = _mm512_shuffle_f32x4(u0, u2, 0x88);
+        t[k + 4] = _mm512_shuffle_f32x4(u0, u2, 0xDD);
+        t[k + 8] = _mm512_shuffle_f32x4(u1, u3, 0x88);
+        t[k + 12] = _mm512_shuffle_f32x4(u1, u3, 0xDD);
+    }
+    for (int i = 0; i < 16; ++i) r[i] = t[i];
+}
+
+/* lane j of the result = the sum of the 16 lanes of s[j]: a reduction tree (45 shuffles and adds for 16 sums,
+ * where 16 separate horizontal sums take about 130) */
+static inline __m512 reduce16(const __m512 s[16]) {
+    __m512 a[8], b[4];
+    for (int i = 0; i < 8; ++i) /* lane-local pair sums of s[2i], s[2i+1] */
+        a[i] = _mm512_add_ps(_mm512_unpacklo_ps(s[2 * i], s[2 * i + 1]), _mm512_unpackhi_ps(s[2 * i], s[2 * i + 1]));
+    for (int i = 0; i < 4; ++i) /* 128-bit lane L of b[i]: the lane-L sums of s[4i .. 4i+3] */
+        b[i] = _mm512_add_ps(_mm512_shuffle_ps(a[2 * i], a[2 * i + 1], 0x44), _mm512_shuffle_ps(a[2 * i], a[2 * i + 1], 0xEE));
+    const __m512 c0 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x88), _mm512_shuffle_f32x4(b[0], b[1], 0xDD));
+    const __m512 c1 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x88), _mm512_shuffle_f32x4(b[2], b[3], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(c0, c1, 0x88), _mm512_shuffle_f32x4(c0, c1, 0xDD));
 }
 #endif
 
@@ -67,14 +136,17 @@ static void softmax_rows(float *scores, int64_t group, int64_t ctx) {
 #define KV_SUFFIX f32
 #define KV_SCALAR(x) (x)
 #define KV_LOAD16 load16_f32
+#define KV_IS_BF16 0
 #include "paged_attention_cpu_impl.h"
 #undef KV_T
 #undef KV_SUFFIX
 #undef KV_SCALAR
 #undef KV_LOAD16
+#undef KV_IS_BF16
 
 #define KV_T uint16_t
 #define KV_SUFFIX bf16
 #define KV_SCALAR(x) bf16_to_f32(x)
 #define KV_LOAD16 load16_bf16
+#define KV_IS_BF16 1
 #include "paged_attention_cpu_impl.h"

@@ -24,7 +24,7 @@ from folio.model.layers.cpu_gemm import pack_weight, packed_linear
 from folio.model.layers.embedding import VocabEmbedding, compute_lm_logits
 from folio.model.layers.linear import Linear, MergedLinear
 from folio.model.layers.norm import RMSNorm
-from folio.model.layers.rotary import RotaryEmbedding, apply_rotary
+from folio.model.layers.rotary import RotaryEmbedding, apply_rotary_
 from folio.model.spec import ModelSpec
 
 # (fused param, checkpoint part, shard id): "...self_attn.q_proj.weight" -> "...self_attn.qkv_proj.weight" shard "q".
@@ -62,8 +62,9 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:  # [T, hidden]
         num_tokens = hidden.shape[0]
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
-        q = apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        # q, k, v are views of the fused projection's output, rotated in place
+        q = apply_rotary_(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rotary_(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         out = self.attn_backend.forward(q, k, v, kv_cache, attn, self.scale)  # [T, num_heads, head_dim]
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
@@ -89,10 +90,24 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(spec)
 
     def forward(
-        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor, attn: AttnMetadata
-    ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, attn)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        self,
+        hidden: torch.Tensor,  # [T, hidden]: the previous layer's output (the embeddings for layer 0)
+        residual: torch.Tensor | None,  # [T, hidden]: the residual stream before that output, None for layer 0
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn: AttnMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (this layer's MLP output, the residual stream before it): the residual add is left to the
+        next norm, which fuses it (vLLM's layout; one pass over the activations instead of two)."""
+        if residual is None:
+            residual = hidden
+            normed = self.input_layernorm(hidden)
+        else:
+            normed, residual = self.input_layernorm.add_and_norm(hidden, residual)
+        hidden = self.self_attn(normed, cos, sin, kv_cache, attn)
+        normed, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)
+        return self.mlp(normed), residual
 
 
 class LlamaModel(nn.Module):
@@ -110,9 +125,11 @@ class LlamaModel(nn.Module):
             raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.layers)} layers")
         hidden = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(positions, hidden.dtype)  # shared by every layer
+        residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(hidden, cos, sin, kv_cache, attn)
-        return self.norm(hidden)
+            hidden, residual = layer(hidden, residual, cos, sin, kv_cache, attn)
+        assert residual is not None, "a model has at least one layer"
+        return self.norm.add_and_norm(hidden, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):

@@ -37,6 +37,7 @@ def _compare(
     heads: tuple[int, int],
     head_dim: int = 16,
     spare_table_columns: int = 0,
+    fused_qkv: bool = False,
 ) -> None:
     num_heads, num_kv_heads = heads
     gen = torch.Generator().manual_seed(seed)
@@ -54,6 +55,8 @@ def _compare(
     query = torch.randn(num_tokens, num_heads, head_dim, generator=gen)
     key = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen)
     value = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen)
+    if fused_qkv:
+        query, key, value = _as_fused_views(query, key, value)
     attn = build_attn_metadata(query_lens, seq_lens, tables, block_size)
     scale = head_dim**-0.5
     ref_cache, fast_cache = kv_cache.clone(), kv_cache.clone()
@@ -63,6 +66,16 @@ def _compare(
         out = backend.forward(query, key, value, fast_cache, attn, scale)
         torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(fast_cache, ref_cache, rtol=0, atol=0)
+
+
+def _as_fused_views(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The same values as views of one [T, (H + 2 KV) * D] buffer, strided rows: what the model passes."""
+    num_tokens, head_dim = query.shape[0], query.shape[2]
+    fused = torch.cat([query.flatten(1), key.flatten(1), value.flatten(1)], dim=1)
+    q, k, v = fused.split([query[0].numel(), key[0].numel(), value[0].numel()], dim=1)
+    return tuple(t.view(num_tokens, -1, head_dim) for t in (q, k, v))  # type: ignore[return-value]
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])
@@ -87,6 +100,18 @@ def test_random_batches(backend_name: str, seed: int) -> None:
         head_dim=rng.choice([16, 64, 40]),
         spare_table_columns=rng.choice([0, 3]),
     )
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_views_of_a_fused_qkv_output(backend_name: str, seed: int) -> None:
+    # q/k/v as the model hands them over: strided views of the fused projection (the kernel reads q in place)
+    _compare(backend_name, [6, 1, 1, 4, 1], [6, 30, 9, 20, 64], 4, seed=seed, heads=(9, 3), head_dim=64, fused_qkv=True)
+
+
+@pytest.mark.parametrize("block_size", [5, 16, 32])
+def test_long_prefills_and_chunks(backend_name: str, block_size: int) -> None:
+    # several 16-row tiles per prompt, chunks starting mid-block after cached tokens, block sizes that are not 16
+    _compare(backend_name, [150, 40, 17, 1], [150, 140, 33, 90], block_size, seed=block_size, heads=(9, 3), head_dim=64)
 
 
 def test_decode_only_batch(backend_name: str) -> None:
@@ -135,6 +160,8 @@ def test_kernel_with_bfloat16_cache(seed: int) -> None:
     query = torch.randn(num_tokens, num_heads, head_dim, generator=gen).bfloat16()
     key = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).bfloat16()
     value = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).bfloat16()
+    if seed % 2:
+        query, key, value = _as_fused_views(query, key, value)
     attn = build_attn_metadata(query_lens, seq_lens, tables, block_size)
     scale = head_dim**-0.5
     ref_cache = kv_cache.float()

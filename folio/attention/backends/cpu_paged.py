@@ -1,12 +1,15 @@
-"""CpuPagedBackend: paged attention on the CPU through a C kernel that reads K/V blocks in place.
+"""CpuPagedBackend: paged attention on the CPU through C kernels that read K/V blocks in place.
 
-The cache may hold float32 or bfloat16; the kernel computes in float32 either way.
+The cache may hold float32 or bfloat16; the kernels compute in float32 either way, and read q (float32 or
+bfloat16, rows strided as a view of the fused q|k|v output) in place.
 
-Every query row whose context is (partly) in the cache — decodes, and prefill chunks after cached or earlier
-tokens — goes to ``folio/kernels/paged_attention_cpu.c`` in one call per layer: no gather of the context into a
-padded copy (the cost that dominated TorchBatchedBackend, see docs/performance.md). A fresh prefill, whose
-context is exactly its own new K/V, runs through torch's scaled_dot_product_attention as before.
-Tested against TorchReferenceBackend on random paged batches.
+``folio/kernels/paged_attention_cpu.c`` has two entry points, each called once per layer:
+- single-token queries (decodes): one work item per row and KV head, the row's blocks walked twice (scores, V);
+- multi-token queries (fresh prefills, prefill chunks after cached tokens): flash-style tiles of 16 rows that
+  share each converted chunk of 16 K/V rows and keep an online softmax. This replaced torch's SDPA, which
+  cost 0.5-0.7 ms per request-layer at W1's prompt lengths (docs/performance.md).
+No gather of the context into a padded copy (the cost that dominated TorchBatchedBackend). Tested against
+TorchReferenceBackend on random paged batches.
 """
 
 from __future__ import annotations
@@ -18,52 +21,72 @@ from typing import Any
 import torch
 
 from folio.attention.backends.paged_cache import write_kv
-from folio.attention.backends.torch_batched import prefill_attention
 from folio.attention.metadata import AttnMetadata
 from folio.kernels.cpu_build import load_kernel_library
+from folio.kernels.cpu_ops import cpu_ops_for, heads_packed
 
 _i64, _f32, _int, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p
-# (q, out, k_cache, v_cache, block/head/position strides, block_table, its row stride, rows, row_req, row_ctx,
-#  num_rows, num_heads, num_kv_heads, head_dim, block_size, scale, num_threads): see the C source.
-_KERNEL_ARGTYPES: list[Any] = [_ptr] * 4 + [_i64] * 3 + [_ptr, _i64] + [_ptr] * 3 + [_i64] * 5 + [_f32, _int]
+# Both entry points start (q, q row stride, q is bf16, out, out is bf16, k_cache, v_cache, block/head/position
+# strides, block_table, its row stride) and end (num_heads, num_kv_heads, head_dim, block_size, scale,
+# num_threads); in between, decode takes (rows, row_req, row_ctx, num_rows) and prefill (seg_req, seg_row,
+# seg_ctx, seg_len, num_segs). See the C source.
+_COMMON_HEAD: list[Any] = [_ptr, _i64, _int, _ptr, _int, _ptr, _ptr, _i64, _i64, _i64, _ptr, _i64]
+_COMMON_TAIL: list[Any] = [_i64] * 4 + [_f32, _int]
+_ARGTYPES: dict[str, list[Any]] = {
+    "paged": _COMMON_HEAD + [_ptr] * 3 + [_i64] + _COMMON_TAIL,
+    "prefill": _COMMON_HEAD + [_ptr] * 4 + [_i64] + _COMMON_TAIL,
+}
+_SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
+SUPPORTED_KV_DTYPES = tuple(_SUFFIXES)
 
 
-# K/V cache dtype -> the kernel's entry point for it
-_ENTRY_POINTS = {torch.float32: "folio_paged_attention_f32", torch.bfloat16: "folio_paged_attention_bf16"}
-SUPPORTED_KV_DTYPES = tuple(_ENTRY_POINTS)
+@dataclass(frozen=True)
+class PagedKernels:
+    """The two C entry points for one K/V cache dtype."""
+
+    decode: Any  # folio_paged_attention_<dtype>
+    prefill: Any  # folio_prefill_attention_<dtype>
 
 
-def load_paged_attention_kernel() -> dict[torch.dtype, Any] | None:
+def load_paged_attention_kernel() -> dict[torch.dtype, PagedKernels] | None:
     """The C entry points by K/V cache dtype, or None where no compiler is available (the selector then picks
     the torch backend)."""
     lib = load_kernel_library("paged_attention_cpu")
     if lib is None:
         return None
     kernels = {}
-    for dtype, symbol in _ENTRY_POINTS.items():
-        fn = getattr(lib, symbol)
-        fn.argtypes = _KERNEL_ARGTYPES
-        fn.restype = ctypes.c_int
-        kernels[dtype] = fn
+    for dtype, suffix in _SUFFIXES.items():
+        fns = []
+        for kind in ("paged", "prefill"):
+            fn = getattr(lib, f"folio_{kind}_attention_{suffix}")
+            fn.argtypes = _ARGTYPES[kind]
+            fn.restype = ctypes.c_int
+            fns.append(fn)
+        kernels[dtype] = PagedKernels(decode=fns[0], prefill=fns[1])
     return kernels
 
 
 @dataclass
-class _KernelRows:
-    """The kernel's per-row index arrays for one step (built once, shared by every layer)."""
+class _StepPlan:
+    """The kernels' index arrays for one step (built once, shared by every layer)."""
 
-    rows: torch.Tensor  # [N] int64 query rows the kernel computes
+    block_table: torch.Tensor  # [R, max_blocks] int32, contiguous
+    # single-token queries
+    rows: torch.Tensor  # [N] int64 query rows
     row_req: torch.Tensor  # [N] int32 request of each row (its block-table row)
     row_ctx: torch.Tensor  # [N] int32 visible positions of each row
-    block_table: torch.Tensor  # [R, max_blocks] int32, contiguous
-    fresh_prefills: list[int]  # requests whose whole context is this step's own tokens (SDPA)
+    # multi-token queries, one segment per request: rows seg_row .. seg_row + seg_len - 1
+    seg_req: torch.Tensor  # [S] int32
+    seg_row: torch.Tensor  # [S] int64 first query row
+    seg_ctx: torch.Tensor  # [S] int32 visible positions of the first row (each next row sees one more)
+    seg_len: torch.Tensor  # [S] int32
 
 
 class CpuPagedBackend:
-    def __init__(self, kernels: dict[torch.dtype, Any]) -> None:
+    def __init__(self, kernels: dict[torch.dtype, PagedKernels]) -> None:
         self._kernels = kernels
-        self._rows_for: AttnMetadata | None = None
-        self._rows: _KernelRows | None = None
+        self._plan_for: AttnMetadata | None = None
+        self._plan: _StepPlan | None = None
 
     def forward(
         self,
@@ -75,72 +98,83 @@ class CpuPagedBackend:
         scale: float,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         """Writes key/value at attn.slot_mapping, then causal attention of each query over its context."""
-        kernel = self._kernels.get(kv_cache.dtype)
-        if kernel is None or query.device.type != "cpu":
+        kernels = self._kernels.get(kv_cache.dtype)
+        if kernels is None or query.device.type != "cpu":
             raise ValueError(
                 f"CpuPagedBackend needs a CPU K/V cache of {SUPPORTED_KV_DTYPES}, "
                 f"got {kv_cache.dtype} on {query.device}"
             )
-        write_kv(key, value, kv_cache, attn.slot_mapping)
-        plan = self._kernel_rows(attn)
-        query32 = query.float().contiguous()  # the kernel computes in float32 whatever the cache holds
-        out = torch.empty_like(query32)
-        num_rows = plan.rows.numel()
-        if num_rows:
-            _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
-            status = kernel(
-                query32.data_ptr(),
-                out.data_ptr(),
-                kv_cache[0].data_ptr(),
-                kv_cache[1].data_ptr(),
-                kv_cache.stride(1),  # block
-                kv_cache.stride(3),  # KV head
-                kv_cache.stride(2),  # position in the block
-                plan.block_table.data_ptr(),
-                plan.block_table.shape[1],
-                plan.rows.data_ptr(),
-                plan.row_req.data_ptr(),
-                plan.row_ctx.data_ptr(),
-                num_rows,
-                query32.shape[1],
-                num_kv_heads,
-                head_dim,
-                block_size,
-                scale,
-                torch.get_num_threads(),
-            )
-            if status != 0:
-                raise MemoryError("paged attention kernel could not allocate its score buffers")
-        for i in plan.fresh_prefills:
-            start, end = attn.query_start_loc_cpu[i], attn.query_start_loc_cpu[i + 1]
-            out[start:end] = prefill_attention(query[start:end], key[start:end], value[start:end], scale)
-        return out.to(query.dtype)
+        self._write_kv(key, value, kv_cache, attn.slot_mapping)
+        plan = self._step_plan(attn)
+        query_dtype = query.dtype
+        if query.dtype not in SUPPORTED_KV_DTYPES or not heads_packed(query):
+            query = query.float().contiguous()
+        out = torch.empty(query.shape, dtype=query.dtype)  # every row with a query is written by a kernel
+        _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+        head = [
+            query.data_ptr(),
+            query.stride(0),
+            query.dtype == torch.bfloat16,
+            out.data_ptr(),
+            out.dtype == torch.bfloat16,
+            kv_cache[0].data_ptr(),
+            kv_cache[1].data_ptr(),
+            kv_cache.stride(1),  # block
+            kv_cache.stride(3),  # KV head
+            kv_cache.stride(2),  # position in the block
+            plan.block_table.data_ptr(),
+            plan.block_table.shape[1],
+        ]
+        tail = [query.shape[1], num_kv_heads, head_dim, block_size, scale, torch.get_num_threads()]
+        status = 0
+        if plan.rows.numel():
+            ptrs = (plan.rows.data_ptr(), plan.row_req.data_ptr(), plan.row_ctx.data_ptr())
+            status |= kernels.decode(*head, *ptrs, plan.rows.numel(), *tail)
+        if plan.seg_req.numel():
+            ptrs = (plan.seg_req, plan.seg_row, plan.seg_ctx, plan.seg_len)
+            status |= kernels.prefill(*head, *(t.data_ptr() for t in ptrs), plan.seg_req.numel(), *tail)
+        if status != 0:
+            raise MemoryError("paged attention kernel could not allocate its buffers")
+        return out.to(query_dtype)
 
-    def _kernel_rows(self, attn: AttnMetadata) -> _KernelRows:
-        if self._rows_for is attn and self._rows is not None:
-            return self._rows
+    @staticmethod
+    def _write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> None:
+        """One C call for both caches when the layouts allow it, else the shared torch write."""
+        ops = cpu_ops_for(key, value, kv_cache) if kv_cache.is_contiguous() else None
+        if ops is not None and heads_packed(key) and heads_packed(value) and slots.dtype == torch.int64:
+            ops.write_kv(key, value, kv_cache, slots.contiguous())
+        else:
+            write_kv(key, value, kv_cache, slots)
+
+    def _step_plan(self, attn: AttnMetadata) -> _StepPlan:
+        if self._plan_for is attn and self._plan is not None:
+            return self._plan
         rows: list[int] = []
         row_req: list[int] = []
         row_ctx: list[int] = []
-        fresh: list[int] = []
+        segs: list[tuple[int, int, int, int]] = []  # (request, first row, first row's context, length)
         qsl, seq_lens = attn.query_start_loc_cpu, attn.seq_lens_cpu
         for i in range(attn.num_reqs):
             start, end, seq_len = qsl[i], qsl[i + 1], seq_lens[i]
             query_len = end - start
-            if query_len > 1 and query_len == seq_len:
-                fresh.append(i)
-                continue
             # query rows start..end-1 sit at positions seq_len-query_len .. seq_len-1 and see one more each:
             # start 4, end 7, seq_len 9 -> rows [4, 5, 6], contexts [7, 8, 9]
-            rows.extend(range(start, end))
-            row_req.extend([i] * query_len)
-            row_ctx.extend(range(seq_len - query_len + 1, seq_len + 1))
-        self._rows = _KernelRows(
+            if query_len == 1:
+                rows.append(start)
+                row_req.append(i)
+                row_ctx.append(seq_len)
+            elif query_len > 1:
+                segs.append((i, start, seq_len - query_len + 1, query_len))
+        seg_cols = list(zip(*segs, strict=True)) if segs else [(), (), (), ()]
+        self._plan = _StepPlan(
+            block_table=attn.block_table.to(device="cpu", dtype=torch.int32).contiguous(),
             rows=torch.tensor(rows, dtype=torch.int64),
             row_req=torch.tensor(row_req, dtype=torch.int32),
             row_ctx=torch.tensor(row_ctx, dtype=torch.int32),
-            block_table=attn.block_table.to(device="cpu", dtype=torch.int32).contiguous(),
-            fresh_prefills=fresh,
+            seg_req=torch.tensor(seg_cols[0], dtype=torch.int32),
+            seg_row=torch.tensor(seg_cols[1], dtype=torch.int64),
+            seg_ctx=torch.tensor(seg_cols[2], dtype=torch.int32),
+            seg_len=torch.tensor(seg_cols[3], dtype=torch.int32),
         )
-        self._rows_for = attn
-        return self._rows
+        self._plan_for = attn
+        return self._plan

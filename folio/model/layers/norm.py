@@ -5,9 +5,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from folio.kernels.cpu_ops import cpu_ops_for
+
 
 class RMSNorm(nn.Module):
-    """y = weight * x / sqrt(mean(x^2) + eps), the mean over the last dim."""
+    """y = weight * x / sqrt(mean(x^2) + eps), the mean over the last dim.
+
+    ``add_and_norm`` fuses the residual add in (vLLM's fused_add_rms_norm), which is how a decoder layer carries
+    its residual stream. On the CPU both run as one C call
+    (folio/kernels/cpu_ops.c); elsewhere as torch ops with the same roundings.
+    """
 
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
@@ -15,6 +22,20 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+        if x.dim() == 2 and (ops := cpu_ops_for(x, self.weight)) is not None:
+            return ops.rms_norm(x, self.weight, self.eps, None)[0]
+        return self._norm(x)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual), both [T, hidden]."""
+        if x.dim() == 2 and (ops := cpu_ops_for(x, residual, self.weight)) is not None:
+            out, summed = ops.rms_norm(x, self.weight, self.eps, residual)
+            assert summed is not None
+            return out, summed
+        summed = x + residual
+        return self._norm(summed), summed
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         input_dtype = x.dtype
         x32 = x.float()
         variance = x32.pow(2).mean(-1, keepdim=True)

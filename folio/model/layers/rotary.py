@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from folio.kernels.cpu_ops import cpu_ops_for, heads_packed
+
 
 def compute_inv_freq(head_dim: int, base: float, rope_scaling: dict[str, Any] | None) -> torch.Tensor:
     """inv_freq [head_dim / 2] float32 on the CPU: base^(-2i/head_dim), then Llama-3 scaling if configured."""
@@ -62,3 +64,15 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """apply_rotary written back into x (which may be a view of a fused q|k|v output); returns x.
+
+    On the CPU, with x's heads packed in each row, this is one C call (folio/kernels/cpu_ops.c) with the same
+    roundings as the torch ops.
+    """
+    fusable = heads_packed(x) and cos.is_contiguous() and sin.is_contiguous()
+    if fusable and (ops := cpu_ops_for(x, cos, sin)) is not None:
+        return ops.rotary_(x, cos, sin)
+    return x.copy_(apply_rotary(x, cos, sin))

@@ -1,0 +1,123 @@
+"""Python entry points of the fused CPU element-wise ops in ``cpu_ops.c``.
+
+``cpu_ops_for(tensor)`` answers whether a tensor can take the fused path (CPU, float32 or bfloat16, a C compiler
+present); the layers in ``folio.model.layers`` ask it and otherwise run their torch ops, so CUDA and other dtypes
+are untouched. Set ``FOLIO_CPU_FUSED_OPS=0`` to force the torch ops (to compare the two).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from typing import Any
+
+import torch
+
+from folio.kernels.cpu_build import load_kernel_library
+
+_i64, _f32, _int, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p
+_SIGNATURES: dict[str, list[Any]] = {
+    # x, x_stride, residual, weight, out, residual_out, rows, hidden, eps, threads
+    "rms_norm": [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _f32, _int],
+    # gate_up, its row stride, out, rows, intermediate size, threads
+    "silu_and_mul": [_ptr, _i64, _ptr, _i64, _i64, _int],
+    # x, row stride, cos, sin, rows, heads, head_dim, threads
+    "rotary": [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _int],
+    # key, key row stride, value, value row stride, key cache, value cache, slots, rows, row size
+    "write_kv": [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64],
+}
+_SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
+
+
+class CpuOps:
+    """The fused ops for one element type. Inputs must have a contiguous last dim; outputs are new tensors
+    except where the name ends in ``_`` (in place)."""
+
+    def __init__(self, lib: ctypes.CDLL, dtype: torch.dtype) -> None:
+        self._fns = {}
+        for name, argtypes in _SIGNATURES.items():
+            fn = getattr(lib, f"folio_{name}_{_SUFFIXES[dtype]}")
+            fn.argtypes = argtypes
+            fn.restype = None
+            self._fns[name] = fn
+
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x [T, H] -> (normed [T, H], None), or with a residual (normed(x + residual), x + residual)."""
+        rows, hidden = x.shape
+        out = torch.empty((rows, hidden), dtype=x.dtype)
+        residual_out = None
+        if residual is not None:
+            residual = residual.contiguous()
+            residual_out = torch.empty_like(out)
+        self._fns["rms_norm"](
+            x.data_ptr(),
+            x.stride(0),
+            None if residual is None else residual.data_ptr(),
+            weight.data_ptr(),
+            out.data_ptr(),
+            None if residual_out is None else residual_out.data_ptr(),
+            rows,
+            hidden,
+            eps,
+            torch.get_num_threads(),
+        )
+        return out, residual_out
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up [T, 2I] -> silu(gate) * up [T, I]."""
+        rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+        out = torch.empty((rows, inter), dtype=gate_up.dtype)
+        self._fns["silu_and_mul"](
+            gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), rows, inter, torch.get_num_threads()
+        )
+        return out
+
+    def rotary_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotates x [T, heads, D] (heads packed: stride(1) == D) in place; cos/sin [T, D] contiguous."""
+        rows, heads, head_dim = x.shape
+        self._fns["rotary"](
+            x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), rows, heads, head_dim, torch.get_num_threads()
+        )
+        return x
+
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> None:
+        """key/value [T, KV, D] (heads packed) into kv_cache [2, NB, BS, KV, D] (contiguous) at slots [T] int64."""
+        rows, num_kv_heads, head_dim = key.shape
+        self._fns["write_kv"](
+            key.data_ptr(),
+            key.stride(0),
+            value.data_ptr(),
+            value.stride(0),
+            kv_cache[0].data_ptr(),
+            kv_cache[1].data_ptr(),
+            slots.data_ptr(),
+            rows,
+            num_kv_heads * head_dim,
+        )
+
+
+@functools.cache
+def _load(dtype: torch.dtype) -> CpuOps | None:
+    if os.environ.get("FOLIO_CPU_FUSED_OPS", "1") == "0":
+        return None
+    lib = load_kernel_library("cpu_ops")
+    return None if lib is None else CpuOps(lib, dtype)
+
+
+def cpu_ops_for(*tensors: torch.Tensor) -> CpuOps | None:
+    """The fused ops if every tensor is a CPU float32/bfloat16 tensor of one dtype with a contiguous last dim."""
+    dtype = tensors[0].dtype
+    if dtype not in _SUFFIXES:
+        return None
+    for t in tensors:
+        if t.device.type != "cpu" or t.dtype != dtype or t.stride(-1) != 1:
+            return None
+    return _load(dtype)
+
+
+def heads_packed(x: torch.Tensor) -> bool:
+    """x [T, heads, D] whose heads sit side by side in each row (a view of a fused projection's output is)."""
+    return x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
