@@ -90,8 +90,36 @@ def cmd_bench_throughput(ns: argparse.Namespace) -> int:
     if kv_usage is not None:
         print("\n".join(kv_usage.lines(max_model_len, mean_request_max)))
         result["kv_cache_usage"] = asdict(kv_usage)
+    ceiling = _flop_ceiling(llm, requests, result["output_tokens_per_second"])
+    if ceiling is not None:
+        result["flop_ceiling"] = ceiling
     _write_json(ns.output_json, result)
     return 0
+
+
+def _flop_ceiling(llm: Any, requests: list[SampleRequest], output_tps: float) -> dict[str, float] | None:
+    """Prints this run against the FLOP ceiling: the request set's matmul FLOPs at the best GEMM rate measured
+    now, in the engine's dtype (folio.bench.roofline). CPU only: it times a 2048^3 GEMM on the engine's cores."""
+    from folio.bench.roofline import measure_matmul_flops, workload_ceiling
+
+    worker = llm.llm_engine.executor.worker
+    if worker.device.type != "cpu":
+        return None
+    matmul = measure_matmul_flops(dtype=worker.dtype)
+    lengths = [(len(r.prompt_token_ids), r.output_len) for r in requests]
+    ceiling = workload_ceiling(llm.llm_engine.model_spec, lengths, matmul)
+    fraction = output_tps / ceiling.output_tokens_per_second
+    dtype_name = str(worker.dtype).removeprefix("torch.")
+    print(
+        f"FLOP ceiling: {ceiling.workload_flops / 1e12:.2f} TFLOP of matmuls at a measured {matmul / 1e9:.0f} GFLOP/s "
+        f"(best {dtype_name} GEMM, 2048^3) -> {ceiling.output_tokens_per_second:.0f} output tok/s; "
+        f"this run: {output_tps:.1f} = {100 * fraction:.0f}% of it"
+    )
+    return {
+        "matmul_flops": matmul,
+        "ceiling_output_tokens_per_second": ceiling.output_tokens_per_second,
+        "fraction": fraction,
+    }
 
 
 def add_latency_args(parser: argparse.ArgumentParser) -> None:

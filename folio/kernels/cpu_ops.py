@@ -24,8 +24,9 @@ _SIGNATURES: dict[str, list[Any]] = {
     "silu_and_mul": [_ptr, _i64, _ptr, _i64, _i64, _int],
     # x, row stride, cos, sin, rows, heads, head_dim, threads
     "rotary": [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _int],
-    # key, key row stride, value, value row stride, key cache, value cache, slots, rows, row size
-    "write_kv": [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64],
+    # key, key row stride, value, value row stride, key cache, value cache, slots, rows, block size,
+    # block / head / position strides of the caches, KV heads, head_dim
+    "write_kv": [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _i64],
 }
 _SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
@@ -84,7 +85,8 @@ class CpuOps:
         return x
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> None:
-        """key/value [T, KV, D] (heads packed) into kv_cache [2, NB, BS, KV, D] (contiguous) at slots [T] int64."""
+        """key/value [T, KV, D] (heads packed) into kv_cache [2, NB, BS, KV, D] at slots [T] int64; the cache may be
+        position-major (contiguous) or a head-major transposed view: only its last dim must be contiguous."""
         rows, num_kv_heads, head_dim = key.shape
         self._fns["write_kv"](
             key.data_ptr(),
@@ -95,7 +97,12 @@ class CpuOps:
             kv_cache[1].data_ptr(),
             slots.data_ptr(),
             rows,
-            num_kv_heads * head_dim,
+            kv_cache.shape[2],  # block size
+            kv_cache.stride(1),  # block
+            kv_cache.stride(3),  # KV head
+            kv_cache.stride(2),  # position in the block
+            num_kv_heads,
+            head_dim,
         )
 
 

@@ -76,14 +76,21 @@ void CAT(folio_rotary_, SUFFIX)(ELEM_T *x, int64_t row_stride, const ELEM_T *cos
     }
 }
 
-/* key_cache[slot[t]] = key[t], value_cache[slot[t]] = value[t] for rows of row_size elements (num_kv_heads *
- * head_dim); caches are [num_slots, row_size]; a negative slot (padding) is skipped. */
+/* The K/V cache write: row t of key / value ([num_kv_heads, head_dim], heads packed) goes to slot slots[t],
+ * i.e. block slots[t] / block_size at offset slots[t] % block_size, of caches addressed by strides (elements)
+ *   cache + block * block_stride + kv_head * head_stride + offset * pos_stride
+ * (both the position-major and the head-major layout). A negative slot (padding) is skipped. */
 void CAT(folio_write_kv_, SUFFIX)(const ELEM_T *key, int64_t key_stride, const ELEM_T *value, int64_t value_stride,
                                   ELEM_T *key_cache, ELEM_T *value_cache, const int64_t *slots, int64_t num_rows,
-                                  int64_t row_size) {
+                                  int64_t block_size, int64_t block_stride, int64_t head_stride, int64_t pos_stride,
+                                  int64_t num_kv_heads, int64_t head_dim) {
     for (int64_t t = 0; t < num_rows; ++t) {
         if (slots[t] < 0) continue;
-        memcpy(key_cache + slots[t] * row_size, key + t * key_stride, sizeof(ELEM_T) * row_size);
-        memcpy(value_cache + slots[t] * row_size, value + t * value_stride, sizeof(ELEM_T) * row_size);
+        const int64_t base = (slots[t] / block_size) * block_stride + (slots[t] % block_size) * pos_stride;
+        for (int64_t h = 0; h < num_kv_heads; ++h) {
+            const int64_t dst = base + h * head_stride;
+            memcpy(key_cache + dst, key + t * key_stride + h * head_dim, sizeof(ELEM_T) * head_dim);
+            memcpy(value_cache + dst, value + t * value_stride + h * head_dim, sizeof(ELEM_T) * head_dim);
+        }
     }
 }

@@ -136,6 +136,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, spec: ModelSpec, attn_backend: AttentionBackend) -> None:
         super().__init__()
         self.spec = spec
+        self.attn_backend = attn_backend  # shared by every layer; the worker asks it for the KV cache layout
         self.model = LlamaModel(spec, attn_backend)
         # Tied embeddings: compute_logits reads the embedding matrix; there is no separate lm_head.
         self.lm_head = None if spec.tie_word_embeddings else Linear(spec.hidden_size, spec.vocab_size)

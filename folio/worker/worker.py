@@ -44,6 +44,7 @@ class KVCacheShape:
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    head_major: bool = False  # the attention backend's kv_cache_head_major
 
     @property
     def bytes_per_block(self) -> int:
@@ -51,8 +52,13 @@ class KVCacheShape:
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * element_size
 
     def allocate(self, num_blocks: int, device: torch.device) -> list[torch.Tensor]:
-        shape = (2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        return [torch.zeros(shape, dtype=self.dtype, device=device) for _ in range(self.num_layers)]
+        """One cache per layer, always shaped [2, num_blocks, block_size, num_kv_heads, head_dim]; head-major
+        storage ([.., num_kv_heads, block_size, ..]) is handed out as that shape through a transposed view."""
+        if not self.head_major:
+            shape = (2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+            return [torch.zeros(shape, dtype=self.dtype, device=device) for _ in range(self.num_layers)]
+        shape = (2, num_blocks, self.num_kv_heads, self.block_size, self.head_dim)
+        return [torch.zeros(shape, dtype=self.dtype, device=device).transpose(2, 3) for _ in range(self.num_layers)]
 
 
 class Worker:
@@ -67,6 +73,7 @@ class Worker:
             num_kv_heads=self.spec.num_key_value_heads,
             head_dim=self.spec.head_dim,
             dtype=self.dtype,
+            head_major=isinstance(self.model, LlamaForCausalLM) and self.model.attn_backend.kv_cache_head_major,
         )
         num_blocks = self.determine_num_blocks()
         config.cache_config.num_blocks = num_blocks

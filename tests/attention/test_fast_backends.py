@@ -38,6 +38,7 @@ def _compare(
     head_dim: int = 16,
     spare_table_columns: int = 0,
     fused_qkv: bool = False,
+    head_major: bool = False,
 ) -> None:
     num_heads, num_kv_heads = heads
     gen = torch.Generator().manual_seed(seed)
@@ -60,6 +61,9 @@ def _compare(
     attn = build_attn_metadata(query_lens, seq_lens, tables, block_size)
     scale = head_dim**-0.5
     ref_cache, fast_cache = kv_cache.clone(), kv_cache.clone()
+    if head_major:  # the same values in head-major storage, as the worker allocates for the CPU kernel
+        fast_cache = torch.empty(2, num_blocks, num_kv_heads, block_size, head_dim).transpose(2, 3)
+        fast_cache.copy_(kv_cache)
     expected = TorchReferenceBackend().forward(query, key, value, ref_cache, attn, scale)
     backend = _make_backend(backend_name)
     for _ in range(2):  # the second call reuses the step plan, as the model's next layer does
@@ -112,6 +116,16 @@ def test_views_of_a_fused_qkv_output(backend_name: str, seed: int) -> None:
 def test_long_prefills_and_chunks(backend_name: str, block_size: int) -> None:
     # several 16-row tiles per prompt, chunks starting mid-block after cached tokens, block sizes that are not 16
     _compare(backend_name, [150, 40, 17, 1], [150, 140, 33, 90], block_size, seed=block_size, heads=(9, 3), head_dim=64)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_head_major_cache(seed: int) -> None:
+    rng = random.Random(seed)
+    seq_lens = [rng.randint(1, 90) for _ in range(rng.randint(1, 9))]
+    query_lens = [rng.choice([1, 1, s, rng.randint(0, s)]) for s in seq_lens]
+    block_size = rng.choice([1, 4, 16])
+    _compare("cpu_paged", query_lens, seq_lens, block_size, seed, heads=(9, 3), head_dim=64, head_major=True)
+    _compare("torch_batched", query_lens, seq_lens, block_size, seed, heads=(6, 2), head_major=True)
 
 
 def test_decode_only_batch(backend_name: str) -> None:

@@ -6,6 +6,8 @@ import json
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from tests.server.conftest import folio_script, start_server
 
 
@@ -59,6 +61,12 @@ def test_bench_throughput(tmp_path: Path) -> None:
     assert usage["paged"] == (64 / 64 + 68 / 128 + 72 / 128) / 3
     assert usage["contiguous_max_model_len"] == (64 + 68 + 72) / (4 * 512) / 3
     assert "live tokens fill 69.8% of the allocated KV blocks" in proc.stdout
+    # the FLOP ceiling of this request set at a GEMM rate measured in the run (CPU), and this run's share of it
+    ceiling = result["flop_ceiling"]
+    assert ceiling["matmul_flops"] > 1e9 and 0 < ceiling["fraction"] < 1
+    expected_fraction = result["output_tokens_per_second"] / ceiling["ceiling_output_tokens_per_second"]
+    assert ceiling["fraction"] == pytest.approx(expected_fraction)
+    assert "FLOP ceiling:" in proc.stdout and "(best float32 GEMM, 2048^3)" in proc.stdout
 
 
 def test_bench_latency(tmp_path: Path) -> None:

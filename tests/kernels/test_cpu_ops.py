@@ -90,7 +90,8 @@ def test_rotary_in_place_on_a_fused_qkv_view(dtype: torch.dtype, head_dim: int) 
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_write_kv_matches_the_torch_write(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("head_major", [False, True])
+def test_write_kv_matches_the_torch_write(dtype: torch.dtype, head_major: bool) -> None:
     gen = torch.Generator().manual_seed(1)
     num_blocks, block_size, num_kv_heads, head_dim, rows = 9, 4, 3, 16, 11
     kv = torch.randn(rows, 2 * num_kv_heads * head_dim, generator=gen).to(dtype)  # a fused k|v output
@@ -99,6 +100,9 @@ def test_write_kv_matches_the_torch_write(dtype: torch.dtype) -> None:
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:rows]
     cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
     expected = cache.clone()
+    if head_major:  # [2, NB, KV, BS, D] storage seen as [2, NB, BS, KV, D]
+        cache = cache.transpose(2, 3).contiguous().transpose(2, 3)
+        assert not cache.is_contiguous()
     write_kv(key, value, expected, slots)
     _ops(dtype).write_kv(key, value, cache, slots)
     assert torch.equal(cache, expected)

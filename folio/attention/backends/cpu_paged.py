@@ -83,6 +83,10 @@ class _StepPlan:
 
 
 class CpuPagedBackend:
+    # Head-major storage: the decode kernel then reads each KV head's positions of a block as one contiguous run
+    # (W1 decode attention 23-25 -> 14-18 ms per step, docs/performance.md). Position-major caches work too.
+    kv_cache_head_major = True
+
     def __init__(self, kernels: dict[torch.dtype, PagedKernels]) -> None:
         self._kernels = kernels
         self._plan_for: AttnMetadata | None = None
@@ -128,11 +132,11 @@ class CpuPagedBackend:
         tail = [query.shape[1], num_kv_heads, head_dim, block_size, scale, torch.get_num_threads()]
         status = 0
         if plan.rows.numel():
-            ptrs = (plan.rows.data_ptr(), plan.row_req.data_ptr(), plan.row_ctx.data_ptr())
-            status |= kernels.decode(*head, *ptrs, plan.rows.numel(), *tail)
+            row_arrays = (plan.rows, plan.row_req, plan.row_ctx)
+            status |= kernels.decode(*head, *(t.data_ptr() for t in row_arrays), plan.rows.numel(), *tail)
         if plan.seg_req.numel():
-            ptrs = (plan.seg_req, plan.seg_row, plan.seg_ctx, plan.seg_len)
-            status |= kernels.prefill(*head, *(t.data_ptr() for t in ptrs), plan.seg_req.numel(), *tail)
+            seg_arrays = (plan.seg_req, plan.seg_row, plan.seg_ctx, plan.seg_len)
+            status |= kernels.prefill(*head, *(t.data_ptr() for t in seg_arrays), plan.seg_req.numel(), *tail)
         if status != 0:
             raise MemoryError("paged attention kernel could not allocate its buffers")
         return out.to(query_dtype)
@@ -140,7 +144,7 @@ class CpuPagedBackend:
     @staticmethod
     def _write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> None:
         """One C call for both caches when the layouts allow it, else the shared torch write."""
-        ops = cpu_ops_for(key, value, kv_cache) if kv_cache.is_contiguous() else None
+        ops = cpu_ops_for(key, value, kv_cache)
         if ops is not None and heads_packed(key) and heads_packed(value) and slots.dtype == torch.int64:
             ops.write_kv(key, value, kv_cache, slots.contiguous())
         else:

@@ -11,10 +11,20 @@ def write_kv(
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [T] int64
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stores the step's K/V at their slots; returns the caches viewed as [num_slots, num_kv_heads, head_dim]."""
+    """Stores the step's K/V at their slots; returns the caches viewed as [num_slots, num_kv_heads, head_dim].
+
+    A head-major cache (a transposed view, see AttentionBackend.kv_cache_head_major) is written through
+    (block, offset) indices, and what is returned is then a copy: fine to read, not to write.
+    """
     _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
-    key_cache = kv_cache[0].view(num_blocks * block_size, num_kv_heads, head_dim)
-    value_cache = kv_cache[1].view(num_blocks * block_size, num_kv_heads, head_dim)
+    slots_shape = (num_blocks * block_size, num_kv_heads, head_dim)
+    if not kv_cache.is_contiguous():
+        blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
+        kv_cache[0][blocks, offsets] = key.to(kv_cache.dtype)
+        kv_cache[1][blocks, offsets] = value.to(kv_cache.dtype)
+        return kv_cache[0].reshape(slots_shape), kv_cache[1].reshape(slots_shape)
+    key_cache = kv_cache[0].view(slots_shape)
+    value_cache = kv_cache[1].view(slots_shape)
     key_cache[slot_mapping] = key.to(key_cache.dtype)
     value_cache[slot_mapping] = value.to(value_cache.dtype)
     return key_cache, value_cache

@@ -28,6 +28,8 @@ class _StepPlan:
 
 
 class TorchBatchedBackend:
+    kv_cache_head_major = False
+
     def __init__(self) -> None:
         self._plan_for: AttnMetadata | None = None
         self._plan: _StepPlan | None = None

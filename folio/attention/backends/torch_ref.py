@@ -16,6 +16,8 @@ from folio.attention.metadata import AttnMetadata
 
 
 class TorchReferenceBackend:
+    kv_cache_head_major = False
+
     def forward(
         self,
         query: torch.Tensor,  # [T, num_heads, head_dim]
