@@ -69,7 +69,7 @@ def cmd_bench_throughput(ns: argparse.Namespace) -> int:
     llm.llm_engine.stats_observer = None
     num_input = sum(len(o.prompt_token_ids) for o in outputs)
     num_output = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-    result = {
+    result: dict[str, Any] = {
         "elapsed_time": elapsed,
         "num_requests": len(outputs),
         "total_input_tokens": num_input,
