@@ -30,6 +30,8 @@
 
 /* query rows per prefill work item (see folio_prefill_attention_*) */
 #define PREFILL_TILE 16
+/* query heads one decode call handles at once (the AVX-512 path keeps a max and a sum per head on the stack) */
+#define DECODE_MAX_HEADS 64
 
 #define CAT_(a, b) a##b
 #define CAT(a, b) CAT_(a, b)
@@ -98,6 +100,34 @@ static inline void transpose16(__m512 r[16]) {
         t[k + 12] = _mm512_shuffle_f32x4(u1, u3, 0xDD);
     }
     for (int i = 0; i < 16; ++i) r[i] = t[i];
+}
+
+#ifdef __AVX512BF16__
+/* 32 bf16 from memory as a dot-product operand (a cast of _mm512_loadu_si512's result made gcc 12 bounce every
+ * load through the stack) */
+static inline __m512bh load32_bh(const void *p) {
+    __m512bh v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+#endif
+
+/* exp(x) of 16 floats (Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, exp(r) by a degree-7 polynomial, then
+ * scaled by 2^n); within 2 ulp of expf over the softmax's range x <= 0, and 0 below -87. */
+static inline __m512 exp512(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x); /* ln2 in two parts (Cody-Waite) */
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
 }
 
 /* lane j of the result = the sum of the 16 lanes of s[j]: a reduction tree (45 shuffles and adds for 16 sums,

@@ -49,135 +49,187 @@ static void CAT(attend_generic_, KV_SUFFIX)(const ITEM *it, const float *q, floa
 
 #ifdef __AVX512F__
 /* One decode row, KV heads [kh0, kh1), head_dim = 16 C, G query heads per KV head (compile-time constants at
- * each call). The context is walked 16 positions at a time and, inside a chunk, KV head after KV head: the
- * heads of one position sit side by side in the cache ([.., BS, KV, D]), so the chunk's whole rows are read
- * and the hardware prefetcher sees one sequential stream (walking one KV head's strided slice at a time ran
- * at 12 GB/s where the whole rows reach 22, docs/performance.md).
- * Scores: one vector of partial sums per position, then one 16-way reduction tree (reduce16) per chunk. With a
- * bfloat16 cache and bfloat16 queries the products come from AVX512-BF16 dot instructions on the raw bf16
- * pairs: exact products and float32 sums, as the float32 path computes them, in another summation order.
- * V: the G x C output vectors of a KV head stay in registers through the chunk's 16 positions.
- * q, out: the row's [H, D] float32 (out is overwritten); q_bf16: the row's raw bf16 query or NULL;
- * scores: [(kh1 - kh0) G, ctx]. */
-/* Software prefetch of positions [c0, c0 + 16) of cache rows for KV heads [kh0, kh1): issued one chunk ahead,
- * so the chunk's scattered head slices are in flight together instead of one miss at a time. */
-static inline void CAT(prefetch_chunk_, KV_SUFFIX)(const ITEM *it, const KV_T *cache, int64_t c0, int64_t head_stride,
-                                                   int64_t kh0, int64_t kh1) {
-    const int64_t end = c0 + 16 < it->ctx ? c0 + 16 : it->ctx;
-    const int64_t bytes = it->head_dim * (int64_t)sizeof(KV_T);
-    for (int64_t p = c0; p < end; ++p) {
-        const KV_T *row = cache + (int64_t)it->blocks[p / it->block_size] * it->block_stride +
-                          (p % it->block_size) * it->pos_stride;
-        for (int64_t kh = kh0; kh < kh1; ++kh)
-            for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch((const char *)(row + kh * head_stride) + off, _MM_HINT_T0);
+ * each call), in three steps over the row's blocks:
+ *   1. scores: for each block and KV head, 16 positions at a time, the G heads' scores q . k into
+ *      scores[(kh - kh0) G + g][position], with a lane-wise running max (no horizontal op per chunk);
+ *   2. softmax: per query head one horizontal max, then exp and a lane-wise sum over the score row;
+ *   3. V: for each block and KV head, the G x C output vectors stay in registers through 16 positions.
+ * Walking block by block needs one block-table read per block and no per-position index arithmetic; a block's
+ * positions of one KV head are consecutive rows (pos_stride apart). Three steps rather than an online softmax:
+ * the per-chunk max/exp/rescale chain of an online softmax cost as much as the scores themselves here
+ * (docs/performance.md).
+ * Scores: one vector of partial sums per position, then one 16-way reduction tree (reduce16) per chunk; with
+ * bfloat16 queries and cache the products come from AVX512-BF16 dot instructions on the raw pairs (exact
+ * products, float32 sums). V from a bfloat16 cache: one 32-element load gives the even dims (shift) and the odd
+ * dims (mask) as float32; the accumulators keep even and odd dims apart until the end.
+ * q: the row's [H, D] float32; q_bf16: the row's raw bf16 query or NULL; out: the row's [H, D] float32;
+ * scores: [(kh1 - kh0) G, ctx rounded up to 16] float32; (kh1 - kh0) G <= DECODE_MAX_HEADS. */
+/* s[j] = the 16-lane partial sums of q . k_j for the chunk's rows j < 16 (rows j >= n repeat row n - 1: the
+ * caller masks them out). With n == 16 at the call, the clamp folds away. q_bf16: the head's raw bf16 query,
+ * used (AVX512-BF16 pair dot products on the raw cache) where the cache is bf16, else q (float32). */
+static inline __attribute__((always_inline)) void CAT(chunk_scores_, KV_SUFFIX)(
+    const KV_T *kc, int64_t pos_stride, int64_t n, const int C, const float *q, const uint16_t *q_bf16,
+    __m512 s[16]) {
+    (void)q_bf16;
+#if KV_IS_BF16 && defined(__AVX512BF16__)
+    if (q_bf16 != NULL) {
+        __m512bh qb[4];
+        for (int h = 0; h < C / 2; ++h) qb[h] = load32_bh(q_bf16 + 32 * h);
+        for (int j = 0; j < 16; ++j) {
+            const KV_T *k = kc + (j < n ? j : n - 1) * pos_stride;
+            __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), qb[0], load32_bh(k));
+            for (int h = 1; h < C / 2; ++h) a = _mm512_dpbf16_ps(a, qb[h], load32_bh(k + 32 * h));
+            s[j] = a;
+        }
+        return;
+    }
+#endif
+    __m512 qv[8];
+    for (int c = 0; c < C; ++c) qv[c] = _mm512_loadu_ps(q + c * 16);
+    for (int j = 0; j < 16; ++j) {
+        const KV_T *k = kc + (j < n ? j : n - 1) * pos_stride;
+        __m512 a = _mm512_mul_ps(qv[0], KV_LOAD16(k));
+        for (int c = 1; c < C; ++c) a = _mm512_fmadd_ps(qv[c], KV_LOAD16(k + c * 16), a);
+        s[j] = a;
     }
 }
 
-static inline __attribute__((always_inline)) void CAT(attend_heads_avx512_, KV_SUFFIX)(
+static inline __attribute__((always_inline)) void CAT(decode_row_avx512_, KV_SUFFIX)(
     const ITEM *it, const int G, const int C, int64_t head_stride, int64_t kh0, int64_t kh1, const float *q,
     const uint16_t *q_bf16, float *out, float *scores) {
-    const int64_t ctx = it->ctx, bs = it->block_size, D = 16 * C;
+    const int64_t ctx = it->ctx, bs = it->block_size, D = 16 * C, pos_stride = it->pos_stride;
+    const int64_t ctx16 = (ctx + 15) / 16 * 16; /* score rows are padded to whole chunks */
+    const int64_t num_kv = kh1 - kh0;
     const __m512 scale = _mm512_set1_ps(it->scale);
+    __m512 row_max[DECODE_MAX_HEADS];
+    for (int64_t i = 0; i < num_kv * G; ++i) row_max[i] = _mm512_set1_ps(-FLT_MAX);
     (void)q_bf16;
-    for (int64_t c0 = 0; c0 < ctx; c0 += 16) {
-        const int64_t n = ctx - c0 < 16 ? ctx - c0 : 16;
-        const KV_T *kp[16];
-        for (int j = 0; j < 16; ++j) {
-            const int64_t p = c0 + (j < n ? j : 0); /* past the end: position c0 again, never stored */
-            kp[j] = it->k_cache + (int64_t)it->blocks[p / bs] * it->block_stride + (p % bs) * it->pos_stride;
-        }
-        const __mmask16 mask = (__mmask16)(n == 16 ? 0xFFFFu : (1u << n) - 1u);
-        CAT(prefetch_chunk_, KV_SUFFIX)(it, it->k_cache, c0 + 16, head_stride, kh0, kh1);
+    /* 1. scores */
+    for (int64_t start = 0; start < ctx; start += bs) {
+        const int64_t block_offset = it->blocks[start / bs] * it->block_stride;
+        const int64_t n_block = ctx - start < bs ? ctx - start : bs;
         for (int64_t kh = kh0; kh < kh1; ++kh) {
-            for (int g = 0; g < G; ++g) {
-                const int64_t head = kh * G + g;
-                float *dst = scores + ((kh - kh0) * G + g) * ctx + c0;
-                __m512 s[16];
-#if KV_IS_BF16 && defined(__AVX512BF16__)
-                if (q_bf16 != NULL) {
-                    __m512bh qb[4];
-                    for (int h = 0; h < C / 2; ++h) qb[h] = (__m512bh)_mm512_loadu_si512(q_bf16 + head * D + 32 * h);
-                    for (int j = 0; j < 16; ++j) {
-                        const KV_T *k = kp[j] + kh * head_stride;
-                        __m512 acc = _mm512_dpbf16_ps(_mm512_setzero_ps(), qb[0], (__m512bh)_mm512_loadu_si512(k));
-                        for (int h = 1; h < C / 2; ++h)
-                            acc = _mm512_dpbf16_ps(acc, qb[h], (__m512bh)_mm512_loadu_si512(k + 32 * h));
-                        s[j] = acc;
-                    }
-                    _mm512_mask_storeu_ps(dst, mask, _mm512_mul_ps(reduce16(s), scale));
-                    continue;
+            const KV_T *kb = it->k_cache + block_offset + kh * head_stride;
+            for (int64_t j0 = 0; j0 < n_block; j0 += 16) {
+                const int64_t n = n_block - j0 < 16 ? n_block - j0 : 16;
+                const __mmask16 mask = (__mmask16)(n == 16 ? 0xFFFFu : (1u << n) - 1u);
+                const KV_T *kc = kb + j0 * pos_stride;
+                for (int g = 0; g < G; ++g) {
+                    const int64_t head = kh * G + g, r = (kh - kh0) * G + g;
+                    const uint16_t *qh_bf16 = q_bf16 == NULL ? NULL : q_bf16 + head * D;
+                    __m512 s[16];
+                    if (n == 16)
+                        CAT(chunk_scores_, KV_SUFFIX)(kc, pos_stride, 16, C, q + head * D, qh_bf16, s);
+                    else
+                        CAT(chunk_scores_, KV_SUFFIX)(kc, pos_stride, n, C, q + head * D, qh_bf16, s);
+                    const __m512 sc = _mm512_mask_mov_ps(_mm512_set1_ps(-FLT_MAX), mask, _mm512_mul_ps(reduce16(s), scale));
+                    row_max[r] = _mm512_max_ps(row_max[r], sc);
+                    _mm512_mask_storeu_ps(scores + r * ctx16 + start + j0, mask, sc);
                 }
-#endif
-                __m512 qv[8];
-                for (int c = 0; c < C; ++c) qv[c] = _mm512_loadu_ps(q + head * D + c * 16);
-                for (int j = 0; j < 16; ++j) {
-                    const KV_T *k = kp[j] + kh * head_stride;
-                    __m512 acc = _mm512_mul_ps(qv[0], KV_LOAD16(k));
-                    for (int c = 1; c < C; ++c) acc = _mm512_fmadd_ps(qv[c], KV_LOAD16(k + c * 16), acc);
-                    s[j] = acc;
-                }
-                _mm512_mask_storeu_ps(dst, mask, _mm512_mul_ps(reduce16(s), scale));
             }
         }
     }
-    softmax_rows(scores, (kh1 - kh0) * G, ctx);
-    for (int64_t i = kh0 * G * D; i < kh1 * G * D; ++i) out[i] = 0.0f;
-    for (int64_t c0 = 0; c0 < ctx; c0 += 16) {
-        const int64_t n = ctx - c0 < 16 ? ctx - c0 : 16;
-        const KV_T *vp[16];
-        for (int j = 0; j < n; ++j) {
-            const int64_t p = c0 + j;
-            vp[j] = it->v_cache + (int64_t)it->blocks[p / bs] * it->block_stride + (p % bs) * it->pos_stride;
+    /* 2. softmax: probabilities unnormalized (exp(s - max)); the 1 / sum goes into the output at the end */
+    float inv_sum[DECODE_MAX_HEADS];
+    for (int64_t r = 0; r < num_kv * G; ++r) {
+        const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(row_max[r]));
+        float *sr = scores + r * ctx16;
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t c0 = 0; c0 < ctx16; c0 += 16) {
+            const __mmask16 mask = ctx - c0 >= 16 ? (__mmask16)0xFFFFu : (__mmask16)((1u << (ctx - c0)) - 1u);
+            const __m512 p = _mm512_maskz_mov_ps(mask, exp512(_mm512_sub_ps(_mm512_loadu_ps(sr + c0), mx)));
+            sum = _mm512_add_ps(sum, p);
+            _mm512_storeu_ps(sr + c0, p);
         }
-        CAT(prefetch_chunk_, KV_SUFFIX)(it, it->v_cache, c0 + 16, head_stride, kh0, kh1);
+        inv_sum[r] = 1.0f / _mm512_reduce_add_ps(sum);
+    }
+    /* 3. V: block by block (all the item's KV heads of a block are one contiguous run in a head-major cache),
+     * the G x C accumulators of a KV head in registers through the block, in out between blocks */
+    memset(out + kh0 * G * D, 0, sizeof(float) * num_kv * G * D);
+    for (int64_t start = 0; start < ctx; start += bs) {
+        const int64_t block_offset = it->blocks[start / bs] * it->block_stride;
+        const int64_t n_block = ctx - start < bs ? ctx - start : bs;
         for (int64_t kh = kh0; kh < kh1; ++kh) {
-            __m512 acc[6][8];
+            const KV_T *vb = it->v_cache + block_offset + kh * head_stride;
+            const float *probs = scores + (kh - kh0) * G * ctx16 + start;
+            float *acc = out + kh * G * D;
+            __m512 a[6][8];
             for (int g = 0; g < G; ++g)
-                for (int c = 0; c < C; ++c) acc[g][c] = _mm512_loadu_ps(out + (kh * G + g) * D + c * 16);
-            const float *probs = scores + (kh - kh0) * G * ctx + c0;
-            for (int64_t j = 0; j < n; ++j) {
-                const KV_T *v = vp[j] + kh * head_stride;
+                for (int c = 0; c < C; ++c) a[g][c] = _mm512_loadu_ps(acc + g * D + 16 * c);
+            for (int64_t j = 0; j < n_block; ++j) {
+                const KV_T *v = vb + j * pos_stride;
                 __m512 vv[8];
-                for (int c = 0; c < C; ++c) vv[c] = KV_LOAD16(v + c * 16);
+#if KV_IS_BF16
+                /* vv[2h] = even dims 32h, 32h+2, ..; vv[2h+1] = odd dims 32h+1, 32h+3, .. (as float32) */
+                for (int h = 0; h < C / 2; ++h) {
+                    const __m512i raw = _mm512_loadu_si512(v + 32 * h);
+                    vv[2 * h] = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
+                    vv[2 * h + 1] = _mm512_castsi512_ps(_mm512_and_si512(raw, _mm512_set1_epi32((int)0xFFFF0000u)));
+                }
+#else
+                for (int c = 0; c < C; ++c) vv[c] = _mm512_loadu_ps(v + 16 * c);
+#endif
                 for (int g = 0; g < G; ++g) {
-                    const __m512 pj = _mm512_set1_ps(probs[g * ctx + j]);
-                    for (int c = 0; c < C; ++c) acc[g][c] = _mm512_fmadd_ps(pj, vv[c], acc[g][c]);
+                    const __m512 pj = _mm512_set1_ps(probs[g * ctx16 + j]);
+                    for (int c = 0; c < C; ++c) a[g][c] = _mm512_fmadd_ps(pj, vv[c], a[g][c]);
                 }
             }
             for (int g = 0; g < G; ++g)
-                for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + (kh * G + g) * D + c * 16, acc[g][c]);
+                for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + g * D + 16 * c, a[g][c]);
         }
+    }
+    for (int64_t r = 0; r < num_kv * G; ++r) {
+        const __m512 inv = _mm512_set1_ps(inv_sum[r]);
+        float *o = out + (kh0 * G + r) * D;
+#if KV_IS_BF16
+        /* o holds (even, odd) dims of each 32-dim slice: interleave them back */
+        const __m512i lo = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+        const __m512i hi = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+        for (int h = 0; h < C / 2; ++h) {
+            const __m512 even = _mm512_loadu_ps(o + 32 * h), odd = _mm512_loadu_ps(o + 32 * h + 16);
+            _mm512_storeu_ps(o + 32 * h, _mm512_mul_ps(_mm512_permutex2var_ps(even, lo, odd), inv));
+            _mm512_storeu_ps(o + 32 * h + 16, _mm512_mul_ps(_mm512_permutex2var_ps(even, hi, odd), inv));
+        }
+#else
+        for (int c = 0; c < C; ++c) _mm512_storeu_ps(o + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(o + 16 * c), inv));
+#endif
     }
 }
 
-#define DEFINE_ATTEND_AVX512(G, C)                                                                           \
-    static void CAT(attend_g##G##_c##C##_, KV_SUFFIX)(const ITEM *it, int64_t head_stride, int64_t kh0,       \
+#define DEFINE_DECODE_AVX512(G, C)                                                                           \
+    static void CAT(decode_g##G##_c##C##_, KV_SUFFIX)(const ITEM *it, int64_t head_stride, int64_t kh0,        \
                                                       int64_t kh1, const float *q, const uint16_t *q_bf16,    \
-                                                      float *out, float *scores) {                            \
-        CAT(attend_heads_avx512_, KV_SUFFIX)(it, G, C, head_stride, kh0, kh1, q, q_bf16, out, scores);       \
+                                                      float *out, float *state) {                             \
+        CAT(decode_row_avx512_, KV_SUFFIX)(it, G, C, head_stride, kh0, kh1, q, q_bf16, out, state);          \
     }
-DEFINE_ATTEND_AVX512(1, 4)
-DEFINE_ATTEND_AVX512(2, 4)
-DEFINE_ATTEND_AVX512(3, 4)
-DEFINE_ATTEND_AVX512(4, 4)
-DEFINE_ATTEND_AVX512(5, 4)
-DEFINE_ATTEND_AVX512(6, 4)
-DEFINE_ATTEND_AVX512(1, 8)
-DEFINE_ATTEND_AVX512(2, 8)
-DEFINE_ATTEND_AVX512(3, 8)
-#undef DEFINE_ATTEND_AVX512
+DEFINE_DECODE_AVX512(1, 4)
+DEFINE_DECODE_AVX512(2, 4)
+DEFINE_DECODE_AVX512(3, 4)
+DEFINE_DECODE_AVX512(4, 4)
+DEFINE_DECODE_AVX512(5, 4)
+DEFINE_DECODE_AVX512(6, 4)
+DEFINE_DECODE_AVX512(1, 8)
+DEFINE_DECODE_AVX512(2, 8)
+DEFINE_DECODE_AVX512(3, 8)
+DEFINE_DECODE_AVX512(4, 8)
+#undef DEFINE_DECODE_AVX512
 #endif
 
 /* KV heads [kh0, kh1) of one row: the AVX-512 path where the shape has one, else the plain loops head by head.
- * q, out: the row's [H, D] float32; q_bf16: the row's raw bf16 query or NULL. */
+ * q, out: the row's [H, D] float32; q_bf16: the row's raw bf16 query or NULL; acc: scratch [G, D]. */
 static void CAT(attend_, KV_SUFFIX)(const ITEM *it, int64_t head_stride, int64_t kh0, int64_t kh1, const float *q,
                                     const uint16_t *q_bf16, float *out, float *scores, float *acc) {
     (void)q_bf16;
 #ifdef __AVX512F__
 #define CASE(G, C)                                                                                           \
-    if (it->group == G && it->head_dim == 16 * C)                                                            \
-        return CAT(attend_g##G##_c##C##_, KV_SUFFIX)(it, head_stride, kh0, kh1, q, q_bf16, out, scores);
-    CASE(1, 4) CASE(2, 4) CASE(3, 4) CASE(4, 4) CASE(5, 4) CASE(6, 4) CASE(1, 8) CASE(2, 8) CASE(3, 8)
+    if (it->group == G && it->head_dim == 16 * C) {                                                          \
+        for (int64_t k0 = kh0; k0 < kh1; k0 += DECODE_MAX_HEADS / G) {                                       \
+            const int64_t k1 = k0 + DECODE_MAX_HEADS / G < kh1 ? k0 + DECODE_MAX_HEADS / G : kh1;             \
+            CAT(decode_g##G##_c##C##_, KV_SUFFIX)(it, head_stride, k0, k1, q, q_bf16, out, scores);          \
+        }                                                                                                    \
+        return;                                                                                              \
+    }
+    CASE(1, 4) CASE(2, 4) CASE(3, 4) CASE(4, 4) CASE(5, 4) CASE(6, 4) CASE(1, 8) CASE(2, 8) CASE(3, 8) CASE(4, 8)
 #undef CASE
 #endif
     const int64_t item_size = it->group * it->head_dim;
@@ -213,7 +265,7 @@ int CAT(folio_paged_attention_, KV_SUFFIX)(const void *q, int64_t q_row_stride, 
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
-        float *scores = malloc(sizeof(float) * heads_per_item * group * max_ctx);
+        float *scores = malloc(sizeof(float) * heads_per_item * group * ((max_ctx + 15) / 16 * 16));
         float *acc = malloc(sizeof(float) * group * head_dim);
         float *q_row = malloc(sizeof(float) * row_size);
         float *out_row = malloc(sizeof(float) * row_size);

@@ -13,6 +13,7 @@ Qwen2 differs only by a bias on q/k/v (spec.attention_bias). Checkpoint tensors 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -20,7 +21,7 @@ from torch import nn
 from folio.attention.backends.base import AttentionBackend
 from folio.attention.metadata import AttnMetadata
 from folio.model.layers.activation import silu_and_mul
-from folio.model.layers.cpu_gemm import pack_weight, packed_linear
+from folio.model.layers.cpu_gemm import pack_weights, packed_linear
 from folio.model.layers.embedding import VocabEmbedding, compute_lm_logits
 from folio.model.layers.linear import Linear, MergedLinear
 from folio.model.layers.norm import RMSNorm
@@ -140,7 +141,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(spec, attn_backend)
         # Tied embeddings: compute_logits reads the embedding matrix; there is no separate lm_head.
         self.lm_head = None if spec.tie_word_embeddings else Linear(spec.hidden_size, spec.vocab_size)
-        self.tied_lm_head_packed: torch.Tensor | None = None  # set by pack_for_cpu when embeddings are tied
+        self.tied_lm_head_packed: Any = None  # set by pack_for_cpu when embeddings are tied
 
     def forward(
         self,
@@ -152,22 +153,26 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, attn)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, hidden] -> [S, vocab] float32
+        if self.lm_head is not None and self.lm_head.packed_weight is not None:
+            return packed_linear(hidden, self.lm_head.packed_weight, self.lm_head.bias, out_dtype=torch.float32)
         if self.lm_head is not None:
             return self.lm_head(hidden).float()
         if self.tied_lm_head_packed is not None:
-            return packed_linear(hidden, self.tied_lm_head_packed, None).float()
+            return packed_linear(hidden, self.tied_lm_head_packed, None, out_dtype=torch.float32)
         return compute_lm_logits(hidden, self.model.embed_tokens.weight)
 
     def pack_for_cpu(self) -> None:
-        """Packs every projection and the LM head for oneDNN (folio.model.layers.cpu_gemm); call after loading.
-
-        A tied LM head gets a packed copy: the embedding lookup still needs the plain matrix.
-        """
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.pack_for_cpu()
+        """Packs every projection and the LM head (folio.model.layers.cpu_gemm), all in one arena; call after
+        loading. A tied LM head gets a packed copy: the embedding lookup still needs the plain matrix."""
+        linears = [m for m in self.modules() if isinstance(m, Linear)]
+        weights = [m.weight.data for m in linears]
         if self.lm_head is None:
-            self.tied_lm_head_packed = pack_weight(self.model.embed_tokens.weight.data)
+            weights.append(self.model.embed_tokens.weight.data)
+        packed = pack_weights(weights)
+        for module, packed_weight in zip(linears, packed, strict=False):
+            module.adopt_packed(packed_weight)
+        if self.lm_head is None:
+            self.tied_lm_head_packed = packed[-1]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copies checkpoint tensors (Hugging Face names) into the params, converting dtype and device.

@@ -8,6 +8,8 @@ Tensor parallelism, when it comes, splits these rows/columns here, not in the mo
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -22,7 +24,7 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
-        self.packed_weight: torch.Tensor | None = None  # set by pack_for_cpu (folio.model.layers.cpu_gemm)
+        self.packed_weight: Any = None  # set by pack_for_cpu / adopt_packed (folio.model.layers.cpu_gemm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed_weight is not None:
@@ -30,11 +32,13 @@ class Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
     def pack_for_cpu(self) -> None:
-        """Packs the loaded weight for oneDNN and releases the plain copy (so the model's memory does not double).
+        """Packs the loaded weight (folio.model.layers.cpu_gemm) and releases the plain copy, so the model's
+        memory does not double. Call once, after the weights are loaded; the layer can't be reloaded afterwards."""
+        self.adopt_packed(pack_weight(self.weight.data))
 
-        Call once, after the weights are loaded; the layer can't be reloaded afterwards.
-        """
-        self.packed_weight = pack_weight(self.weight.data)
+    def adopt_packed(self, packed: Any) -> None:
+        """Takes this layer's weight in packed form (made by the model, which packs all its layers at once)."""
+        self.packed_weight = packed
         self.weight.data = torch.empty(0, dtype=self.weight.dtype, device=self.weight.device)
 
 

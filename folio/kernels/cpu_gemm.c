@@ -1,0 +1,222 @@
+/* Linear layers on the CPU: y = x @ W^T (+ bias) with W packed once at load time, for bfloat16 and float32.
+ *
+ * Why our own GEMM: at a decode step's shapes (M = 1..64 rows, K = 576..1536) oneDNN's packed linear reached
+ * 320-390 GFLOP/s in bfloat16 at M = 64 and 80-110 at M = 4; this kernel, written for exactly those shapes,
+ * reaches 400-420 and 110-180 on the same machine, and 450 (the vdpbf16ps peak of 2 cores) at M = 2048
+ * (docs/performance.md, benchmarks/cpu_gemm.py).
+ *
+ * Packed layout: W [N, K] is cut into column blocks of BLOCK_N = 48 output columns (3 AVX-512 vectors); block b
+ * is stored contiguously, k-major, so the kernel streams it front to back:
+ *   float32   packed[b][k][c]          = W[b * 48 + c][k]                  (48 floats per k)
+ *   bfloat16  packed[b][k / 2][c][k % 2] = W[b * 48 + c][k]                (pairs of k side by side: the operand
+ *             layout of vdpbf16ps, which multiplies bf16 pairs and adds both products into a float32 lane)
+ * Columns past N and the odd k of an odd K are zero.
+ *
+ * Micro-kernel: a tile of up to 8 rows x 48 columns keeps 24 float32 accumulators in registers; for each k (or
+ * k pair) it loads the block's 3 weight vectors once and multiplies them with each row's broadcast x value
+ * (8 x 3 FMAs per 3 loads). The weights of a block are read from memory once per 256 rows and reused from L1/L2
+ * for every row tile; x rows come from L1.
+ *
+ * Work split: items (block, chunk of up to 256 rows), block-major, spread statically over the threads, so each
+ * thread streams its own share of the weights once. Threads are OpenMP's, in torch's runtime.
+ */
+#include <stdint.h>
+#include <string.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+#define BLOCK_N 48
+#define TILE_M 8
+#define CHUNK_M 256 /* rows per work item: a block's weights are re-read from memory once per chunk */
+#define STEP_BYTES (BLOCK_N * 4) /* packed bytes per k (float32) or k pair (bfloat16) */
+#define PREFETCH_BYTES (16 * STEP_BYTES)
+
+#define CAT_(a, b) a##b
+#define CAT(a, b) CAT_(a, b)
+
+static inline int64_t num_blocks(int64_t n) { return (n + BLOCK_N - 1) / BLOCK_N; }
+
+static inline float bf16_to_f32(uint16_t x) {
+    const uint32_t bits = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch does; NaN stays NaN */
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40);
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
+/* Number of elements of the packed form of an [n, k] weight. */
+int64_t folio_gemm_packed_numel_f32(int64_t n, int64_t k) { return num_blocks(n) * BLOCK_N * k; }
+int64_t folio_gemm_packed_numel_bf16(int64_t n, int64_t k) { return num_blocks(n) * BLOCK_N * (k + (k & 1)); }
+
+void folio_gemm_pack_f32(const float *w, int64_t ldw, int64_t n, int64_t k, float *packed) {
+#pragma omp parallel for
+    for (int64_t b = 0; b < num_blocks(n); ++b) {
+        float *dst = packed + b * k * BLOCK_N;
+        for (int64_t kk = 0; kk < k; ++kk)
+            for (int64_t c = 0; c < BLOCK_N; ++c) {
+                const int64_t row = b * BLOCK_N + c;
+                dst[kk * BLOCK_N + c] = row < n ? w[row * ldw + kk] : 0.0f;
+            }
+    }
+}
+
+void folio_gemm_pack_bf16(const uint16_t *w, int64_t ldw, int64_t n, int64_t k, uint16_t *packed) {
+    const int64_t num_pairs = (k + 1) / 2;
+#pragma omp parallel for
+    for (int64_t b = 0; b < num_blocks(n); ++b) {
+        uint16_t *dst = packed + b * num_pairs * 2 * BLOCK_N;
+        for (int64_t p = 0; p < num_pairs; ++p)
+            for (int64_t c = 0; c < BLOCK_N; ++c)
+                for (int64_t h = 0; h < 2; ++h) {
+                    const int64_t row = b * BLOCK_N + c, col = 2 * p + h;
+                    dst[(p * BLOCK_N + c) * 2 + h] = row < n && col < k ? w[row * ldw + col] : 0;
+                }
+    }
+}
+
+/* Where a tile's accumulators go: out[row][col] (+ bias[col]) for the valid columns of the block, stored as
+ * float32 or rounded to bfloat16. */
+typedef struct {
+    void *out;
+    int out_is_bf16;
+    int64_t ldc;
+    const float *bias; /* [N] or NULL */
+    int64_t n;
+} Epilogue;
+
+static inline void store_scalar(const Epilogue *e, int64_t row, int64_t col, float v) {
+    if (e->bias != NULL) v += e->bias[col];
+    if (e->out_is_bf16)
+        ((uint16_t *)e->out)[row * e->ldc + col] = f32_to_bf16(v);
+    else
+        ((float *)e->out)[row * e->ldc + col] = v;
+}
+
+#ifdef __AVX512F__
+/* Stores 16 accumulated columns [col, col + 16) of one row, masked to the columns < n. */
+static inline void store16(const Epilogue *e, int64_t row, int64_t col, __m512 acc) {
+    if (col >= e->n) return;
+    const __mmask16 mask = e->n - col >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (e->n - col)) - 1);
+    if (e->bias != NULL) acc = _mm512_add_ps(acc, _mm512_maskz_loadu_ps(mask, e->bias + col));
+    if (e->out_is_bf16) {
+#ifdef __AVX512BF16__
+        const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(acc);
+#else
+        /* round to nearest even on the integer bits (inputs here are finite sums) */
+        const __m512i bits = _mm512_castps_si512(acc);
+        const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+        const __m512i up = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+        const __m256i rounded = _mm512_cvtepi32_epi16(_mm512_srli_epi32(up, 16));
+#endif
+        _mm256_mask_storeu_epi16((uint16_t *)e->out + row * e->ldc + col, mask, rounded);
+    } else {
+        _mm512_mask_storeu_ps((float *)e->out + row * e->ldc + col, mask, acc);
+    }
+}
+
+/* One tile of MR rows x 48 columns over the whole K. The element type's step (one k for float32, a k pair for
+ * bfloat16) is STEP_FMA; MR is a compile-time constant so the accumulators stay in registers. */
+#define DEFINE_TILE(SUFFIX, T, MR, K_STEPS, STEP_FMA)                                                             \
+    static void tile_##SUFFIX##_##MR(const T *x, int64_t lda, const T *wb, int64_t k, const Epilogue *e,          \
+                                     int64_t row0, int64_t col0) {                                               \
+        __m512 acc[MR][3];                                                                                        \
+        _Pragma("GCC unroll 8") for (int i = 0; i < MR; ++i) {                                                   \
+            acc[i][0] = acc[i][1] = acc[i][2] = _mm512_setzero_ps();                                              \
+        }                                                                                                         \
+        const int64_t steps = K_STEPS;                                                                            \
+        for (int64_t s = 0; s < steps; ++s) {                                                                     \
+            const T *w = (const T *)((const char *)wb + s * STEP_BYTES);                                          \
+            _mm_prefetch((const char *)w + PREFETCH_BYTES, _MM_HINT_T0);                                          \
+            _mm_prefetch((const char *)w + PREFETCH_BYTES + 64, _MM_HINT_T0);                                     \
+            _mm_prefetch((const char *)w + PREFETCH_BYTES + 128, _MM_HINT_T0);                                    \
+            STEP_FMA(MR)                                                                                          \
+        }                                                                                                         \
+        _Pragma("GCC unroll 8") for (int i = 0; i < MR; ++i) {                                                   \
+            for (int j = 0; j < 3; ++j) store16(e, row0 + i, col0 + 16 * j, acc[i][j]);                           \
+        }                                                                                                         \
+    }
+
+/* float32: acc[i][j] += x[i][s] * W[block col 16j..16j+15][s] */
+#define STEP_F32(MR)                                                                                              \
+    const __m512 w0 = _mm512_loadu_ps(w), w1 = _mm512_loadu_ps(w + 16), w2 = _mm512_loadu_ps(w + 32);            \
+    _Pragma("GCC unroll 8") for (int i = 0; i < MR; ++i) {                                                       \
+        const __m512 a = _mm512_set1_ps(x[i * lda + s]);                                                          \
+        acc[i][0] = _mm512_fmadd_ps(a, w0, acc[i][0]);                                                            \
+        acc[i][1] = _mm512_fmadd_ps(a, w1, acc[i][1]);                                                            \
+        acc[i][2] = _mm512_fmadd_ps(a, w2, acc[i][2]);                                                            \
+    }
+
+#define DEFINE_TILES_F32(MR) DEFINE_TILE(f32, float, MR, k, STEP_F32)
+DEFINE_TILES_F32(1)
+DEFINE_TILES_F32(2)
+DEFINE_TILES_F32(3)
+DEFINE_TILES_F32(4)
+DEFINE_TILES_F32(5)
+DEFINE_TILES_F32(6)
+DEFINE_TILES_F32(7)
+DEFINE_TILES_F32(8)
+
+#ifdef __AVX512BF16__
+/* bfloat16: acc[i][j] += x[i][2s] * W[..][2s] + x[i][2s+1] * W[..][2s+1] (vdpbf16ps: exact products, float32
+ * sums). A K of odd length reads x[i][K] as the pair's second half, multiplied by the packed zero. */
+#define STEP_BF16(MR)                                                                                             \
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w), w1 = (__m512bh)_mm512_loadu_si512(w + 32),              \
+                   w2 = (__m512bh)_mm512_loadu_si512(w + 64);                                                    \
+    _Pragma("GCC unroll 8") for (int i = 0; i < MR; ++i) {                                                       \
+        int32_t pair;                                                                                             \
+        memcpy(&pair, x + i * lda + 2 * s, sizeof pair);                                                          \
+        const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);                                                    \
+        acc[i][0] = _mm512_dpbf16_ps(acc[i][0], a, w0);                                                           \
+        acc[i][1] = _mm512_dpbf16_ps(acc[i][1], a, w1);                                                           \
+        acc[i][2] = _mm512_dpbf16_ps(acc[i][2], a, w2);                                                           \
+    }
+
+#define DEFINE_TILES_BF16(MR) DEFINE_TILE(bf16, uint16_t, MR, (k + 1) / 2, STEP_BF16)
+DEFINE_TILES_BF16(1)
+DEFINE_TILES_BF16(2)
+DEFINE_TILES_BF16(3)
+DEFINE_TILES_BF16(4)
+DEFINE_TILES_BF16(5)
+DEFINE_TILES_BF16(6)
+DEFINE_TILES_BF16(7)
+DEFINE_TILES_BF16(8)
+#endif
+#endif /* __AVX512F__ */
+
+#define ELEM_T float
+#define SUFFIX f32
+#define LOAD(v) (v)
+#define PACKED_K(k) (k)
+#define PACKED_AT(k, c) ((k) * BLOCK_N + (c))
+#if defined(__AVX512F__)
+#define HAS_TILES 1
+#else
+#define HAS_TILES 0
+#endif
+#include "cpu_gemm_impl.h"
+#undef ELEM_T
+#undef SUFFIX
+#undef LOAD
+#undef PACKED_K
+#undef PACKED_AT
+#undef HAS_TILES
+
+#define ELEM_T uint16_t
+#define SUFFIX bf16
+#define LOAD(v) bf16_to_f32(v)
+#define PACKED_K(k) ((k) + ((k) & 1))
+#define PACKED_AT(k, c) ((((k) / 2) * BLOCK_N + (c)) * 2 + ((k) & 1))
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#define HAS_TILES 1
+#else
+#define HAS_TILES 0
+#endif
+#include "cpu_gemm_impl.h"

@@ -1,0 +1,113 @@
+"""Python entry points of Folio's CPU GEMM (``cpu_gemm.c``): pack a linear layer's weight once, then multiply.
+
+``load_cpu_gemm()`` is None where no C compiler can build the kernel; callers then use oneDNN or F.linear.
+Packed weights of a whole model go into one arena backed by transparent huge pages where the kernel allows it
+(folio.kernels.hugepages): a decode step of a few requests streams every weight from memory once, and with 4 KiB
+pages the bandwidth it reached was 25-32 GB/s against 31-52 GB/s with 2 MiB pages (docs/performance.md).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from folio.kernels.cpu_build import load_kernel_library
+from folio.kernels.hugepages import empty_hugepage_backed
+
+_i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+_SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
+_ALIGN_ELEMS = 64  # each packed weight starts on a 64-element boundary of the arena (a cache line or more)
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """A weight [n, k] in the kernel's blocked layout (cpu_gemm.c); only ``CpuGemm.linear`` reads ``data``."""
+
+    data: torch.Tensor  # 1-D, the packed elements (a slice of an arena)
+    n: int  # output features
+    k: int  # input features
+
+
+class CpuGemm:
+    """The kernel's entry points for float32 and bfloat16."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._numel: dict[torch.dtype, Any] = {}
+        self._pack: dict[torch.dtype, Any] = {}
+        self._gemm: dict[torch.dtype, Any] = {}
+        for dtype, suffix in _SUFFIXES.items():
+            numel = getattr(lib, f"folio_gemm_packed_numel_{suffix}")
+            numel.argtypes, numel.restype = [_i64, _i64], _i64
+            pack = getattr(lib, f"folio_gemm_pack_{suffix}")
+            # w, ldw, n, k, packed
+            pack.argtypes, pack.restype = [_ptr, _i64, _i64, _i64, _ptr], None
+            gemm = getattr(lib, f"folio_gemm_{suffix}")
+            # x, lda, packed, bias, out, out_is_bf16, ldc, m, n, k, num_threads
+            gemm.argtypes, gemm.restype = [_ptr, _i64, _ptr, _ptr, _ptr, _int, _i64, _i64, _i64, _i64, _int], None
+            self._numel[dtype], self._pack[dtype], self._gemm[dtype] = numel, pack, gemm
+
+    @staticmethod
+    def supports(weight: torch.Tensor) -> bool:
+        """A 2-D CPU float32 / bfloat16 weight (bfloat16 with an even K: the kernel reads x in pairs of k)."""
+        return (
+            weight.dim() == 2
+            and weight.device.type == "cpu"
+            and weight.dtype in _SUFFIXES
+            and (weight.dtype != torch.bfloat16 or weight.shape[1] % 2 == 0)
+        )
+
+    def pack_all(self, weights: list[torch.Tensor]) -> list[PackedWeight]:
+        """Packs every weight [n, k] (one dtype) into one huge-page-backed arena."""
+        if not weights:
+            return []
+        dtype = weights[0].dtype
+        offsets, total = [], 0
+        for w in weights:
+            if w.dtype != dtype or not self.supports(w):
+                raise ValueError(f"cannot pack a {w.dtype} weight of shape {tuple(w.shape)} with {dtype} weights")
+            offsets.append(total)
+            numel = int(self._numel[dtype](w.shape[0], w.shape[1]))
+            total += -(-numel // _ALIGN_ELEMS) * _ALIGN_ELEMS
+        arena = empty_hugepage_backed(total, dtype)
+        packed = []
+        for w, offset in zip(weights, offsets, strict=True):
+            n, k = w.shape
+            w = w.contiguous()
+            data = arena[offset : offset + int(self._numel[dtype](n, k))]
+            self._pack[dtype](w.data_ptr(), k, n, k, data.data_ptr())
+            packed.append(PackedWeight(data, n, k))
+        return packed
+
+    def linear(
+        self, x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None, out_dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
+        """x [T, k] -> x @ W.T (+ bias) [T, n] in out_dtype (default x's; float32 or bfloat16), float32 sums."""
+        if x.stride(-1) != 1 or x.dim() != 2:
+            x = x.reshape(-1, x.shape[-1]).contiguous()
+        out_dtype = out_dtype or x.dtype
+        out = torch.empty((x.shape[0], weight.n), dtype=out_dtype)
+        bias32 = None if bias is None else bias.float().contiguous()
+        self._gemm[x.dtype](
+            x.data_ptr(),
+            x.stride(0),
+            weight.data.data_ptr(),
+            None if bias32 is None else bias32.data_ptr(),
+            out.data_ptr(),
+            int(out_dtype == torch.bfloat16),
+            weight.n,
+            x.shape[0],
+            weight.n,
+            weight.k,
+            torch.get_num_threads(),
+        )
+        return out
+
+
+@functools.cache
+def load_cpu_gemm() -> CpuGemm | None:
+    lib = load_kernel_library("cpu_gemm")
+    return None if lib is None else CpuGemm(lib)

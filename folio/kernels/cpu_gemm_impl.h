@@ -1,0 +1,57 @@
+/* The GEMM driver for one element type, included once per type by cpu_gemm.c with
+ *   ELEM_T     the element type of x and the packed weight      SUFFIX  the name suffix (f32, bf16)
+ *   LOAD       element -> float                                 PACKED_K(k)  packed length of K
+ *   PACKED_AT  (k, c) -> offset of W[block col c][k] inside a packed block
+ *   HAS_TILES  1 where the AVX-512 tiles tile_<SUFFIX>_<1..8> exist */
+
+#if !HAS_TILES
+/* A tile without AVX-512: the same maths in plain C (exact products, float32 sums in k order). */
+static void CAT(tile_scalar_, SUFFIX)(const ELEM_T *x, int64_t lda, const ELEM_T *wb, int64_t k, int64_t rows,
+                                      const Epilogue *e, int64_t row0, int64_t col0) {
+    for (int64_t i = 0; i < rows; ++i)
+        for (int64_t c = 0; c < BLOCK_N && col0 + c < e->n; ++c) {
+            float acc = 0.0f;
+            for (int64_t kk = 0; kk < k; ++kk) acc += LOAD(x[i * lda + kk]) * LOAD(wb[PACKED_AT(kk, c)]);
+            store_scalar(e, row0 + i, col0 + c, acc);
+        }
+}
+#endif
+
+static void CAT(tile_, SUFFIX)(const ELEM_T *x, int64_t lda, const ELEM_T *wb, int64_t k, int64_t rows,
+                               const Epilogue *e, int64_t row0, int64_t col0) {
+#if HAS_TILES
+    switch (rows) {
+    case 8: CAT(CAT(tile_, SUFFIX), _8)(x, lda, wb, k, e, row0, col0); return;
+    case 7: CAT(CAT(tile_, SUFFIX), _7)(x, lda, wb, k, e, row0, col0); return;
+    case 6: CAT(CAT(tile_, SUFFIX), _6)(x, lda, wb, k, e, row0, col0); return;
+    case 5: CAT(CAT(tile_, SUFFIX), _5)(x, lda, wb, k, e, row0, col0); return;
+    case 4: CAT(CAT(tile_, SUFFIX), _4)(x, lda, wb, k, e, row0, col0); return;
+    case 3: CAT(CAT(tile_, SUFFIX), _3)(x, lda, wb, k, e, row0, col0); return;
+    case 2: CAT(CAT(tile_, SUFFIX), _2)(x, lda, wb, k, e, row0, col0); return;
+    case 1: CAT(CAT(tile_, SUFFIX), _1)(x, lda, wb, k, e, row0, col0); return;
+    default: return;
+    }
+#else
+    CAT(tile_scalar_, SUFFIX)(x, lda, wb, k, rows, e, row0, col0);
+#endif
+}
+
+/* out[M, N] = x[M, K] @ W^T (+ bias), W given packed (folio_gemm_pack_*). x rows are lda elements apart, out rows
+ * ldc; out is float32, or bfloat16 when out_is_bf16 (rounded to nearest even once, from the float32 sum). */
+void CAT(folio_gemm_, SUFFIX)(const ELEM_T *x, int64_t lda, const ELEM_T *packed, const float *bias, void *out,
+                              int out_is_bf16, int64_t ldc, int64_t m, int64_t n, int64_t k, int num_threads) {
+    const Epilogue e = {out, out_is_bf16, ldc, bias, n};
+    const int64_t blocks = num_blocks(n), chunks = (m + CHUNK_M - 1) / CHUNK_M;
+    const int64_t block_elems = PACKED_K(k) * BLOCK_N;
+    /* item = block * chunks + chunk: consecutive items of a thread share a block (its weights stay in cache) */
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (blocks * chunks > 1)
+    for (int64_t item = 0; item < blocks * chunks; ++item) {
+        const int64_t b = item / chunks, chunk = item % chunks;
+        const ELEM_T *wb = packed + b * block_elems;
+        const int64_t row_end = (chunk + 1) * CHUNK_M < m ? (chunk + 1) * CHUNK_M : m;
+        for (int64_t row = chunk * CHUNK_M; row < row_end; row += TILE_M) {
+            const int64_t rows = row_end - row < TILE_M ? row_end - row : TILE_M;
+            CAT(tile_, SUFFIX)(x + row * lda, lda, wb, k, rows, &e, row, b * BLOCK_N);
+        }
+    }
+}

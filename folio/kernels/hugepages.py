@@ -1,0 +1,46 @@
+"""CPU tensors backed by transparent huge pages (2 MiB) where the kernel offers them.
+
+Why: the weights of a decode step stream from memory once per step, and each 4 KiB page boundary costs a TLB
+miss and stops the hardware prefetcher. Linux's default THP mode on many servers is "madvise": a region gets
+huge pages only when asked, before its first touch. Elsewhere (other OSes, THP off) this is a plain tensor.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import sys
+
+import torch
+
+_HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14  # linux/mman.h
+
+
+@functools.cache
+def _madvise() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    except OSError:
+        return None
+    fn = libc.madvise
+    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    return fn
+
+
+def empty_hugepage_backed(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialized 1-D CPU tensor of numel elements, starting on a 2 MiB boundary and advised to use huge
+    pages (a no-op where that is not possible: the tensor is the same either way)."""
+    element_size = torch.empty((), dtype=dtype).element_size()
+    nbytes = numel * element_size
+    raw = torch.empty(nbytes + _HUGE_PAGE, dtype=torch.uint8)
+    start = -raw.data_ptr() % _HUGE_PAGE
+    aligned = raw[start : start + nbytes]
+    madvise = _madvise()
+    huge_bytes = nbytes - nbytes % _HUGE_PAGE
+    if madvise is not None and huge_bytes:
+        madvise(aligned.data_ptr(), huge_bytes, _MADV_HUGEPAGE)  # advice only: a failure changes nothing
+    return aligned.view(dtype)
