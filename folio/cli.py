@@ -63,6 +63,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="auto: the checkpoint's model; noop: a stand-in of the same shapes whose forward does nothing and "
         "always predicts one token, to measure the engine's own overhead (meaningless text; default auto)",
     )
+    g.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="run the model layer by layer in Python instead of the fused CPU decoder (one C call per step); "
+        "the outputs are the same, for comparisons and debugging",
+    )
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:

@@ -57,6 +57,9 @@ class ModelConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     seed: int = 0
     model_impl: str = "auto"  # one of MODEL_IMPLS
+    # True: run the model layer by layer in Python (vLLM's flag: on CUDA it skips graph capture; here it skips the
+    # fused CPU decoder, folio/model/cpu_fused.py). For comparisons and debugging; outputs are the same.
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in SUPPORTED_DTYPES:
@@ -93,6 +96,7 @@ class EngineArgs:
     long_prefill_token_threshold: int = 0
     device: str = "auto"
     model_impl: str = "auto"  # "noop": engine-overhead benchmarks only (constant logits, no weights loaded)
+    enforce_eager: bool = False  # layer-by-layer model on the CPU instead of the fused decoder
 
     def create_engine_config(self, model_path: str, model_max_len: int) -> EngineConfig:
         """Resolve defaults that depend on the model; ``model_max_len`` is the model's context length."""
@@ -112,6 +116,7 @@ class EngineArgs:
                 max_model_len=max_model_len,
                 seed=self.seed,
                 model_impl=self.model_impl,
+                enforce_eager=self.enforce_eager,
             ),
             cache_config=CacheConfig(
                 block_size=self.block_size,

@@ -17,7 +17,7 @@ import numpy as np
 
 from folio.bench.datasets import SampleRequest, requests_from_args, sample_random
 from folio.bench.kv_usage import KVUsageSampler, summarize_kv_usage
-from folio.bench.profile import format_profile, summarize_steps
+from folio.bench.profile import format_fused_phases, format_profile, summarize_fused_phases, summarize_steps
 from folio.step_timer import StepTimer
 
 PROFILE_MODELS = ("noop", "real", "both")
@@ -165,6 +165,12 @@ def _latency_result(ns: argparse.Namespace, latencies: list[float]) -> dict[str,
     }
 
 
+def _fused_decoder(llm: Any) -> Any:
+    """The model's fused CPU decoder (folio.model.cpu_fused), or None (no-op model, --enforce-eager, CUDA)."""
+    model = getattr(llm.llm_engine.executor.worker.model, "model", None)
+    return getattr(model, "fused_cpu", None)
+
+
 def _time_runs(llm: Any, ns: argparse.Namespace, timer: StepTimer | None) -> tuple[list[float], list[int]]:
     """Warm-up runs, then ``--num-iters`` timed runs (with ``timer`` attached to the engine only for those)."""
     vocab_size = llm.llm_engine.model_spec.vocab_size
@@ -196,8 +202,12 @@ def cmd_bench_latency(ns: argparse.Namespace) -> int:
     for kind in ("noop", "real") if ns.profile == "both" else (ns.profile,):
         llm = _make_llm(ns, model_impl="noop") if kind == "noop" else _make_llm(ns)
         timer = StepTimer()
+        fused = _fused_decoder(llm)
+        if fused is not None:
+            fused.set_phase_timing(True)
         latencies, num_tokens = _time_runs(llm, ns, timer)
-        del llm
+        phase_records = [] if fused is None else list(fused.phase_records or [])
+        del llm, fused
         noop = kind == "noop"
         print(f"--- {'no-op model (the engine alone)' if noop else 'real model'}")
         entry = _latency_result(ns, latencies)
@@ -207,6 +217,9 @@ def cmd_bench_latency(ns: argparse.Namespace) -> int:
         entry.update(summarize_steps(timer.steps, ns.batch_size), output_tokens_per_run=num_tokens)
         title = "Step profile: no-op model" if noop else "Step profile: real model"
         print(format_profile(entry, title, noop), flush=True)
+        if phase_records:
+            entry["fused_decoder_phases_ms"] = summarize_fused_phases(phase_records, ns.batch_size)
+            print(format_fused_phases(entry["fused_decoder_phases_ms"], ns.batch_size), flush=True)
         result["profile"][kind] = entry
     _write_json(ns.output_json, result)
     return 0 if ok else 1

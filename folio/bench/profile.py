@@ -80,3 +80,27 @@ def format_profile(summary: dict[str, Any], title: str, noop: bool) -> str:
         f"target < {summary['target_ms']:g} ms: {verdict})"
     )
     return "\n".join(lines)
+
+
+def summarize_fused_phases(records: list[tuple[int, int, list[float]]], batch_size: int) -> dict[str, float]:
+    """Mean ms per step of each fused-decoder phase (folio.model.cpu_fused.PHASES) over the forwards in which
+    all ``batch_size`` requests decode (no prefill), the steps the step table keeps. Empty if there were none."""
+    from folio.model.cpu_fused import PHASES
+
+    chosen = [seconds for num_rows, num_segs, seconds in records if num_rows == batch_size and num_segs == 0]
+    if not chosen:
+        return {}
+    means = np.asarray(chosen, dtype=np.float64).mean(axis=0) * 1000
+    return {name: float(ms) for name, ms in zip(PHASES, means, strict=True)}
+
+
+def format_fused_phases(phases_ms: dict[str, float], batch_size: int) -> str:
+    """The fused decoder's phases (wall ms per decode step of the whole batch, and each phase's share)."""
+    if not phases_ms:
+        return "fused decoder phases: no step with the whole batch decoding"
+    total = sum(phases_ms.values())
+    lines = [f"Fused decoder phases, all layers, per step of {batch_size} decodes (wall ms)"]
+    for name, ms in sorted(phases_ms.items(), key=lambda item: -item[1]):
+        lines.append(f"  {name:<20} {ms:8.3f}  {100 * ms / total:5.1f}%")
+    lines.append(f"  {'all phases':<20} {total:8.3f}")
+    return "\n".join(lines)

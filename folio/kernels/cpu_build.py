@@ -64,9 +64,10 @@ def load_kernel_library(name: str) -> ctypes.CDLL | None:
         return None
     source = Path(__file__).with_name(f"{name}.c")
     key = hashlib.sha256()
-    headers = sorted(source.parent.glob(f"{name}*.h"))  # included by the source: part of what gets built
+    # every C file next to it: the source includes the others (cpu_kernels.c is one translation unit)
+    parts = sorted(p for p in source.parent.iterdir() if p.suffix in (".c", ".h"))
     for part in (
-        *(path.read_bytes() for path in (source, *headers)),
+        *(path.name.encode() + path.read_bytes() for path in parts),
         " ".join(_CFLAGS + _LIBS).encode(),
         _cpu_signature().encode(),
         compiler.encode(),

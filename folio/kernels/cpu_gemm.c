@@ -20,11 +20,7 @@
  * Work split: items (block, chunk of up to 256 rows), block-major, spread statically over the threads, so each
  * thread streams its own share of the weights once. Threads are OpenMP's, in torch's runtime.
  */
-#include <stdint.h>
-#include <string.h>
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
+#include "cpu_common.h"
 
 #define BLOCK_N 48
 #define TILE_M 8
@@ -32,25 +28,7 @@
 #define STEP_BYTES (BLOCK_N * 4) /* packed bytes per k (float32) or k pair (bfloat16) */
 #define PREFETCH_BYTES (16 * STEP_BYTES)
 
-#define CAT_(a, b) a##b
-#define CAT(a, b) CAT_(a, b)
-
 static inline int64_t num_blocks(int64_t n) { return (n + BLOCK_N - 1) / BLOCK_N; }
-
-static inline float bf16_to_f32(uint16_t x) {
-    const uint32_t bits = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch does; NaN stays NaN */
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40);
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
 
 /* Number of elements of the packed form of an [n, k] weight. */
 int64_t folio_gemm_packed_numel_f32(int64_t n, int64_t k) { return num_blocks(n) * BLOCK_N * k; }
@@ -220,3 +198,9 @@ DEFINE_TILES_BF16(8)
 #define HAS_TILES 0
 #endif
 #include "cpu_gemm_impl.h"
+#undef ELEM_T
+#undef SUFFIX
+#undef LOAD
+#undef PACKED_K
+#undef PACKED_AT
+#undef HAS_TILES

@@ -109,5 +109,5 @@ class CpuGemm:
 
 @functools.cache
 def load_cpu_gemm() -> CpuGemm | None:
-    lib = load_kernel_library("cpu_gemm")
+    lib = load_kernel_library("cpu_kernels")
     return None if lib is None else CpuGemm(lib)

@@ -37,14 +37,15 @@ static void CAT(tile_, SUFFIX)(const ELEM_T *x, int64_t lda, const ELEM_T *wb, i
 }
 
 /* out[M, N] = x[M, K] @ W^T (+ bias), W given packed (folio_gemm_pack_*). x rows are lda elements apart, out rows
- * ldc; out is float32, or bfloat16 when out_is_bf16 (rounded to nearest even once, from the float32 sum). */
-void CAT(folio_gemm_, SUFFIX)(const ELEM_T *x, int64_t lda, const ELEM_T *packed, const float *bias, void *out,
-                              int out_is_bf16, int64_t ldc, int64_t m, int64_t n, int64_t k, int num_threads) {
+ * ldc; out is float32, or bfloat16 when out_is_bf16 (rounded to nearest even once, from the float32 sum).
+ * The body is an orphaned `omp for` (see cpu_ops_impl.h); folio_gemm_* opens a region of its own. */
+static void CAT(gemm_body_, SUFFIX)(const ELEM_T *x, int64_t lda, const ELEM_T *packed, const float *bias, void *out,
+                                    int out_is_bf16, int64_t ldc, int64_t m, int64_t n, int64_t k) {
     const Epilogue e = {out, out_is_bf16, ldc, bias, n};
     const int64_t blocks = num_blocks(n), chunks = (m + CHUNK_M - 1) / CHUNK_M;
     const int64_t block_elems = PACKED_K(k) * BLOCK_N;
     /* item = block * chunks + chunk: consecutive items of a thread share a block (its weights stay in cache) */
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (blocks * chunks > 1)
+#pragma omp for schedule(static)
     for (int64_t item = 0; item < blocks * chunks; ++item) {
         const int64_t b = item / chunks, chunk = item % chunks;
         const ELEM_T *wb = packed + b * block_elems;
@@ -54,4 +55,10 @@ void CAT(folio_gemm_, SUFFIX)(const ELEM_T *x, int64_t lda, const ELEM_T *packed
             CAT(tile_, SUFFIX)(x + row * lda, lda, wb, k, rows, &e, row, b * BLOCK_N);
         }
     }
+}
+
+void CAT(folio_gemm_, SUFFIX)(const ELEM_T *x, int64_t lda, const ELEM_T *packed, const float *bias, void *out,
+                              int out_is_bf16, int64_t ldc, int64_t m, int64_t n, int64_t k, int num_threads) {
+#pragma omp parallel num_threads(num_threads) if (num_blocks(n) * ((m + CHUNK_M - 1) / CHUNK_M) > 1)
+    CAT(gemm_body_, SUFFIX)(x, lda, packed, bias, out, out_is_bf16, ldc, m, n, k);
 }

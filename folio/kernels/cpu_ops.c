@@ -10,30 +10,17 @@
  * same numbers up to float32 summation order (tests/kernels/test_cpu_ops.py checks against the torch ops).
  * Strides are in elements; the last dim of every tensor is contiguous.
  */
-#include <math.h>
-#include <stdint.h>
-#include <string.h>
-
-#define CAT_(a, b) a##b
-#define CAT(a, b) CAT_(a, b)
+#include "cpu_common.h"
 
 /* Below this many elements a single thread is faster than waking the OpenMP team. */
 #define PARALLEL_MIN_ELEMENTS 16384
 
-static inline float bf16_to_f32(uint16_t x) {
-    const uint32_t bits = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch does; NaN stays NaN */
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40);
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
+/* Where a K/V cache row goes: caches addressed by strides (elements)
+ *   cache + block * block_stride + kv_head * head_stride + offset * pos_stride
+ * (both the position-major and the head-major layout). */
+typedef struct {
+    int64_t block_size, block_stride, head_stride, pos_stride;
+} KVLayout;
 
 static inline float f32_identity(float f) { return f; }
 static inline float round_through_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
@@ -56,3 +43,8 @@ static inline float round_through_bf16(float f) { return bf16_to_f32(f32_to_bf16
 #define STORE(f) f32_to_bf16(f)
 #define ROUND(f) round_through_bf16(f)
 #include "cpu_ops_impl.h"
+#undef ELEM_T
+#undef SUFFIX
+#undef LOAD
+#undef STORE
+#undef ROUND

@@ -110,7 +110,7 @@ class CpuOps:
 def _load(dtype: torch.dtype) -> CpuOps | None:
     if os.environ.get("FOLIO_CPU_FUSED_OPS", "1") == "0":
         return None
-    lib = load_kernel_library("cpu_ops")
+    lib = load_kernel_library("cpu_kernels")
     return None if lib is None else CpuOps(lib, dtype)
 
 

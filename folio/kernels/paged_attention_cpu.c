@@ -19,36 +19,101 @@
  * group size at compile time so the G x head_dim/16 accumulators stay in registers; other shapes take the plain
  * C loops, which the compiler vectorizes over head_dim.
  */
-#include <float.h>
-#include <math.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
+#include "cpu_common.h"
 
 /* query rows per prefill work item (see folio_prefill_attention_*) */
 #define PREFILL_TILE 16
 /* query heads one decode call handles at once (the AVX-512 path keeps a max and a sum per head on the stack) */
 #define DECODE_MAX_HEADS 64
 
-#define CAT_(a, b) a##b
-#define CAT(a, b) CAT_(a, b)
+/* What both attention entry points read: q [T, H, D] (rows q_row_stride apart, heads packed; bf16 if q_bf16),
+ * out [T, H, D] contiguous (bf16 if out_bf16), the caches of the K/V element type the body is built for, their
+ * strides in elements, and the block table [R, bt_stride]. */
+typedef struct {
+    const void *q;
+    int64_t q_row_stride;
+    int q_bf16;
+    void *out;
+    int out_bf16;
+    const void *k_cache, *v_cache;
+    int64_t block_stride, head_stride, pos_stride, block_size;
+    const int32_t *block_table;
+    int64_t bt_stride;
+    int64_t num_heads, num_kv_heads, head_dim;
+    float scale;
+} PagedArgs;
 
-static inline float bf16_to_f32(uint16_t x) {
-    const uint32_t bits = (uint32_t)x << 16; /* bfloat16 is the high half of a float32 */
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
+/* single-token queries: query row rows[i] of request row_req[i] sees positions 0 .. row_ctx[i] - 1 */
+typedef struct {
+    const int64_t *rows;
+    const int32_t *row_req, *row_ctx;
+    int64_t num_rows;
+} DecodeRows;
+
+/* multi-token queries: segments of consecutive rows (see folio_prefill_attention_*), cut into tiles of up to
+ * PREFILL_TILE rows by prefill_plan_tiles */
+typedef struct {
+    const int32_t *seg_req;
+    const int64_t *seg_row;
+    const int32_t *seg_ctx, *seg_len;
+    int64_t num_segs;
+    int64_t *tile_seg, *tile_first; /* tile t: rows tile_first[t] .. of segment tile_seg[t] */
+    int64_t num_tiles;
+} PrefillSegs;
+
+/* Fills p's tile list, longest contexts first (the last tiles of long segments cost most; dynamic scheduling then
+ * balances). Returns 0, or -1 if it could not allocate. */
+static int prefill_plan_tiles(PrefillSegs *p) {
+    int64_t num_tiles = 0;
+    for (int64_t s = 0; s < p->num_segs; ++s) num_tiles += (p->seg_len[s] + PREFILL_TILE - 1) / PREFILL_TILE;
+    p->tile_seg = malloc(sizeof(int64_t) * (num_tiles > 0 ? num_tiles : 1));
+    p->tile_first = malloc(sizeof(int64_t) * (num_tiles > 0 ? num_tiles : 1));
+    if (p->tile_seg == NULL || p->tile_first == NULL) return -1;
+    int64_t t = 0;
+    for (int64_t s = 0; s < p->num_segs; ++s)
+        for (int64_t first = ((p->seg_len[s] - 1) / PREFILL_TILE) * PREFILL_TILE; first >= 0; first -= PREFILL_TILE) {
+            p->tile_seg[t] = s;
+            p->tile_first[t++] = first;
+        }
+    p->num_tiles = num_tiles;
+    return 0;
 }
 
-static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch's .to(torch.bfloat16) */
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40);
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
+static void prefill_free_tiles(PrefillSegs *p) {
+    free(p->tile_seg);
+    free(p->tile_first);
+    p->tile_seg = p->tile_first = NULL;
+}
+
+/* One thread's scratch for both bodies, carved out of one arena (so a whole step allocates once). */
+typedef struct {
+    float *scores;           /* decode: [H, max_ctx rounded up to 16] */
+    float *acc;              /* decode, plain-C path: [G, D] */
+    float *q_row, *out_row;  /* decode: [H, D] */
+    float *q_tile, *out_tile; /* prefill: [PREFILL_TILE, G, D] */
+    float *kt, *vc;          /* prefill: [16, D] each */
+    float *state;            /* prefill: [PREFILL_TILE, G, 2] */
+} AttnScratch;
+
+static int64_t attn_scratch_floats(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t max_ctx) {
+    const int64_t group = num_heads / num_kv_heads, ctx16 = (max_ctx + 15) / 16 * 16;
+    const int64_t floats = num_heads * ctx16 + group * head_dim + 2 * num_heads * head_dim +
+                           2 * PREFILL_TILE * group * head_dim + 2 * 16 * head_dim + 2 * PREFILL_TILE * group;
+    return (floats + 15) / 16 * 16; /* each thread's part starts on a cache line */
+}
+
+static void attn_scratch_carve(AttnScratch *s, float *base, int64_t num_heads, int64_t num_kv_heads,
+                               int64_t head_dim, int64_t max_ctx) {
+    const int64_t group = num_heads / num_kv_heads, ctx16 = (max_ctx + 15) / 16 * 16;
+    s->scores = base;
+    s->acc = s->scores + num_heads * ctx16;
+    s->q_row = s->acc + group * head_dim;
+    s->out_row = s->q_row + num_heads * head_dim;
+    s->q_tile = s->out_row + num_heads * head_dim;
+    s->out_tile = s->q_tile + PREFILL_TILE * group * head_dim;
+    s->kt = s->out_tile + PREFILL_TILE * group * head_dim;
+    s->vc = s->kt + 16 * head_dim;
+    s->state = s->vc + 16 * head_dim;
 }
 
 /* dst[0..n) = src[offset..offset+n) as float32, src float32 or (is_bf16) bfloat16 */
@@ -180,3 +245,8 @@ static void softmax_rows(float *scores, int64_t group, int64_t ctx) {
 #define KV_LOAD16 load16_bf16
 #define KV_IS_BF16 1
 #include "paged_attention_cpu_impl.h"
+#undef KV_T
+#undef KV_SUFFIX
+#undef KV_SCALAR
+#undef KV_LOAD16
+#undef KV_IS_BF16

@@ -241,13 +241,35 @@ static void CAT(attend_, KV_SUFFIX)(const ITEM *it, int64_t head_stride, int64_t
     }
 }
 
+/* The decode rows of a step (single-token queries): row i is query row rows[i] of request row_req[i] and sees
+ * positions 0 .. row_ctx[i] - 1. Work items: one per row with all its KV heads when there are rows enough for
+ * every thread of the team, else one per (row, KV head) so that a single long decode still spreads. */
+static void CAT(decode_body_, KV_SUFFIX)(const PagedArgs *a, const DecodeRows *d, const AttnScratch *scratch) {
+    const int64_t group = a->num_heads / a->num_kv_heads, head_dim = a->head_dim;
+    const int64_t row_size = a->num_heads * head_dim;
+    const int64_t heads_per_item = d->num_rows >= 2 * (int64_t)omp_get_num_threads() ? a->num_kv_heads : 1;
+    const int64_t items_per_row = a->num_kv_heads / heads_per_item;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < d->num_rows * items_per_row; ++item) {
+        const int64_t i = item / items_per_row;
+        const int64_t kh0 = (item % items_per_row) * heads_per_item, kh1 = kh0 + heads_per_item;
+        const int64_t first = kh0 * group * head_dim, size = (kh1 - kh0) * group * head_dim;
+        load_as_f32(a->q, a->q_bf16, d->rows[i] * a->q_row_stride + first, size, scratch->q_row + first);
+        const uint16_t *q_raw = a->q_bf16 ? (const uint16_t *)a->q + d->rows[i] * a->q_row_stride : NULL;
+        const ITEM it = {(const KV_T *)a->k_cache, (const KV_T *)a->v_cache,
+                         a->block_table + (int64_t)d->row_req[i] * a->bt_stride, d->row_ctx[i], group, head_dim,
+                         a->block_size, a->pos_stride, a->block_stride, a->scale};
+        CAT(attend_, KV_SUFFIX)(&it, a->head_stride, kh0, kh1, scratch->q_row, q_raw, scratch->out_row,
+                                scratch->scores, scratch->acc);
+        store_from_f32(a->out, a->out_bf16, d->rows[i] * row_size + first, size, scratch->out_row + first);
+    }
+}
+
 /* k_cache / v_cache point at KV head 0 of block 0; a position's row is
  *   cache + block * block_stride + kv_head * head_stride + offset_in_block * pos_stride   (strides in elements),
  * so both [NB, BS, KV, D] (pos_stride KV*D, head_stride D) and [NB, KV, BS, D] (pos_stride D, head_stride BS*D)
  * layouts are served. q is [T, H, D] with its heads packed and rows q_row_stride apart (a view of a fused q|k|v
  * output is); out is [T, H, D] contiguous. Each is float32 or, where its flag is set, bfloat16.
- * Work items: one per row with all its KV heads when there are rows enough for every thread, else one per
- * (row, KV head) so that a single long decode still spreads over the threads.
  * Returns 0, or -1 if a buffer could not be allocated. */
 int CAT(folio_paged_attention_, KV_SUFFIX)(const void *q, int64_t q_row_stride, int q_bf16, void *out, int out_bf16,
                               const KV_T *k_cache, const KV_T *v_cache,
@@ -256,39 +278,23 @@ int CAT(folio_paged_attention_, KV_SUFFIX)(const void *q, int64_t q_row_stride, 
                               const int32_t *row_req, const int32_t *row_ctx, int64_t num_rows, int64_t num_heads,
                               int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
                               int num_threads) {
-    const int64_t group = num_heads / num_kv_heads;
-    const int64_t row_size = num_heads * head_dim;
-    const int64_t heads_per_item = num_rows >= 2 * (int64_t)num_threads ? num_kv_heads : 1;
-    const int64_t items_per_row = num_kv_heads / heads_per_item;
+    const PagedArgs a = {q, q_row_stride, q_bf16, out, out_bf16, k_cache, v_cache, block_stride, head_stride,
+                         pos_stride, block_size, block_table, bt_stride, num_heads, num_kv_heads, head_dim, scale};
+    const DecodeRows d = {rows, row_req, row_ctx, num_rows};
     int64_t max_ctx = 1;
     for (int64_t i = 0; i < num_rows; ++i) max_ctx = row_ctx[i] > max_ctx ? row_ctx[i] : max_ctx;
-    int failed = 0;
-#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+    const int64_t per_thread = attn_scratch_floats(num_heads, num_kv_heads, head_dim, max_ctx);
+    float *arena = malloc(sizeof(float) * per_thread * num_threads);
+    if (arena == NULL) return -1;
+#pragma omp parallel num_threads(num_threads)
     {
-        float *scores = malloc(sizeof(float) * heads_per_item * group * ((max_ctx + 15) / 16 * 16));
-        float *acc = malloc(sizeof(float) * group * head_dim);
-        float *q_row = malloc(sizeof(float) * row_size);
-        float *out_row = malloc(sizeof(float) * row_size);
-        if (scores == NULL || acc == NULL || q_row == NULL || out_row == NULL) failed = 1;
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < num_rows * items_per_row; ++item) {
-            if (failed) continue;
-            const int64_t i = item / items_per_row;
-            const int64_t kh0 = (item % items_per_row) * heads_per_item, kh1 = kh0 + heads_per_item;
-            const int64_t first = kh0 * group * head_dim, size = (kh1 - kh0) * group * head_dim;
-            load_as_f32(q, q_bf16, rows[i] * q_row_stride + first, size, q_row + first);
-            const uint16_t *q_raw = q_bf16 ? (const uint16_t *)q + rows[i] * q_row_stride : NULL;
-            const ITEM it = {k_cache, v_cache, block_table + (int64_t)row_req[i] * bt_stride, row_ctx[i], group,
-                             head_dim, block_size, pos_stride, block_stride, scale};
-            CAT(attend_, KV_SUFFIX)(&it, head_stride, kh0, kh1, q_row, q_raw, out_row, scores, acc);
-            store_from_f32(out, out_bf16, rows[i] * row_size + first, size, out_row + first);
-        }
-        free(scores);
-        free(acc);
-        free(q_row);
-        free(out_row);
+        AttnScratch scratch;
+        attn_scratch_carve(&scratch, arena + per_thread * omp_get_thread_num(), num_heads, num_kv_heads, head_dim,
+                           max_ctx);
+        CAT(decode_body_, KV_SUFFIX)(&a, &d, &scratch);
     }
-    return failed ? -1 : 0;
+    free(arena);
+    return 0;
 }
 
 /* ---- Multi-token queries (prefills, prefill chunks): flash-style, a tile of query rows at a time ----------
@@ -462,6 +468,46 @@ DEFINE_PREFILL_AVX512(8)
 #undef DEFINE_PREFILL_AVX512
 #endif
 
+/* The prefill tiles of a step (see PrefillSegs), one work item per (tile, KV head). */
+static void CAT(prefill_body_, KV_SUFFIX)(const PagedArgs *a, const PrefillSegs *p, const AttnScratch *scratch) {
+    const int64_t group = a->num_heads / a->num_kv_heads, head_dim = a->head_dim, pair_size = group * head_dim;
+    const int64_t num_items = p->num_tiles * a->num_kv_heads;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < num_items; ++item) {
+        const int64_t tile = item / a->num_kv_heads, kv_head = item % a->num_kv_heads, s = p->tile_seg[tile];
+        const int64_t first = p->tile_first[tile];
+        const int64_t rows = p->seg_len[s] - first < PREFILL_TILE ? p->seg_len[s] - first : PREFILL_TILE;
+        int32_t ctx_of_row[PREFILL_TILE];
+        for (int64_t r = 0; r < rows; ++r) {
+            const int64_t row = p->seg_row[s] + first + r;
+            ctx_of_row[r] = p->seg_ctx[s] + (int32_t)(first + r);
+            load_as_f32(a->q, a->q_bf16, row * a->q_row_stride + kv_head * pair_size, pair_size,
+                        scratch->q_tile + r * pair_size);
+            for (int64_t i = 0; i < pair_size; ++i) scratch->q_tile[r * pair_size + i] *= a->scale;
+        }
+        const ITEM it = {(const KV_T *)a->k_cache + kv_head * a->head_stride,
+                         (const KV_T *)a->v_cache + kv_head * a->head_stride,
+                         a->block_table + (int64_t)p->seg_req[s] * a->bt_stride, 0, group, head_dim, a->block_size,
+                         a->pos_stride, a->block_stride, a->scale};
+#ifdef __AVX512F__
+        if (head_dim == 64)
+            CAT(prefill_tile_c4_, KV_SUFFIX)(&it, scratch->q_tile, ctx_of_row, rows, scratch->out_tile, scratch->kt,
+                                             scratch->vc, scratch->state);
+        else if (head_dim == 128)
+            CAT(prefill_tile_c8_, KV_SUFFIX)(&it, scratch->q_tile, ctx_of_row, rows, scratch->out_tile, scratch->kt,
+                                             scratch->vc, scratch->state);
+        else
+#endif
+            PREFILL_ITEM_FN(&it, head_dim, scratch->q_tile, ctx_of_row, rows, scratch->out_tile, scratch->kt,
+                            scratch->vc, scratch->state);
+        for (int64_t r = 0; r < rows; ++r) {
+            const int64_t row = p->seg_row[s] + first + r;
+            store_from_f32(a->out, a->out_bf16, row * a->num_heads * head_dim + kv_head * pair_size, pair_size,
+                           scratch->out_tile + r * pair_size);
+        }
+    }
+}
+
 /* Segments are runs of consecutive query rows of one request: segment s has rows seg_row[s] ..
  * seg_row[s] + seg_len[s] - 1, the first of which sees seg_ctx[s] positions and each next one one more
  * (a fresh prefill of 5 tokens: seg_ctx 1; a 3-token chunk after 6 cached tokens: seg_ctx 7). */
@@ -472,72 +518,24 @@ int CAT(folio_prefill_attention_, KV_SUFFIX)(const void *q, int64_t q_row_stride
                               const int64_t *seg_row, const int32_t *seg_ctx, const int32_t *seg_len,
                               int64_t num_segs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                               int64_t block_size, float scale, int num_threads) {
-    const int64_t group = num_heads / num_kv_heads, pair_size = group * head_dim;
-    int64_t num_tiles = 0;
-    for (int64_t s = 0; s < num_segs; ++s) num_tiles += (seg_len[s] + PREFILL_TILE - 1) / PREFILL_TILE;
-    int64_t *tile_seg = malloc(sizeof(int64_t) * (num_tiles > 0 ? num_tiles : 1));
-    int64_t *tile_first = malloc(sizeof(int64_t) * (num_tiles > 0 ? num_tiles : 1));
-    if (tile_seg == NULL || tile_first == NULL) {
-        free(tile_seg);
-        free(tile_first);
+    const PagedArgs a = {q, q_row_stride, q_bf16, out, out_bf16, k_cache, v_cache, block_stride, head_stride,
+                         pos_stride, block_size, block_table, bt_stride, num_heads, num_kv_heads, head_dim, scale};
+    PrefillSegs p = {seg_req, seg_row, seg_ctx, seg_len, num_segs, NULL, NULL, 0};
+    const int64_t per_thread = attn_scratch_floats(num_heads, num_kv_heads, head_dim, 1);
+    float *arena = malloc(sizeof(float) * per_thread * num_threads);
+    if (arena == NULL || prefill_plan_tiles(&p) != 0) {
+        free(arena);
         return -1;
     }
-    /* longest contexts first: the last tiles of long segments cost most, dynamic scheduling then balances */
-    int64_t t = 0;
-    for (int64_t s = 0; s < num_segs; ++s)
-        for (int64_t first = ((seg_len[s] - 1) / PREFILL_TILE) * PREFILL_TILE; first >= 0; first -= PREFILL_TILE) {
-            tile_seg[t] = s;
-            tile_first[t++] = first;
-        }
-    const int64_t num_items = num_tiles * num_kv_heads;
-    int failed = 0;
-#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+#pragma omp parallel num_threads(num_threads)
     {
-        float *q_tile = malloc(sizeof(float) * PREFILL_TILE * pair_size);
-        float *out_tile = malloc(sizeof(float) * PREFILL_TILE * pair_size);
-        float *kt = malloc(sizeof(float) * 16 * head_dim);
-        float *vc = malloc(sizeof(float) * 16 * head_dim);
-        float *state = malloc(sizeof(float) * 2 * PREFILL_TILE * group);
-        if (q_tile == NULL || out_tile == NULL || kt == NULL || vc == NULL || state == NULL) failed = 1;
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < num_items; ++item) {
-            if (failed) continue;
-            const int64_t tile = item / num_kv_heads, kv_head = item % num_kv_heads, s = tile_seg[tile];
-            const int64_t first = tile_first[tile];
-            const int64_t rows = seg_len[s] - first < PREFILL_TILE ? seg_len[s] - first : PREFILL_TILE;
-            int32_t ctx_of_row[PREFILL_TILE];
-            for (int64_t r = 0; r < rows; ++r) {
-                const int64_t row = seg_row[s] + first + r;
-                ctx_of_row[r] = seg_ctx[s] + (int32_t)(first + r);
-                load_as_f32(q, q_bf16, row * q_row_stride + kv_head * pair_size, pair_size, q_tile + r * pair_size);
-                for (int64_t i = 0; i < pair_size; ++i) q_tile[r * pair_size + i] *= scale;
-            }
-            const ITEM it = {k_cache + kv_head * head_stride, v_cache + kv_head * head_stride,
-                             block_table + (int64_t)seg_req[s] * bt_stride, 0, group, head_dim,
-                             block_size, pos_stride, block_stride, scale};
-#ifdef __AVX512F__
-            if (head_dim == 64)
-                CAT(prefill_tile_c4_, KV_SUFFIX)(&it, q_tile, ctx_of_row, rows, out_tile, kt, vc, state);
-            else if (head_dim == 128)
-                CAT(prefill_tile_c8_, KV_SUFFIX)(&it, q_tile, ctx_of_row, rows, out_tile, kt, vc, state);
-            else
-#endif
-                PREFILL_ITEM_FN(&it, head_dim, q_tile, ctx_of_row, rows, out_tile, kt, vc, state);
-            for (int64_t r = 0; r < rows; ++r) {
-                const int64_t row = seg_row[s] + first + r;
-                store_from_f32(out, out_bf16, row * num_heads * head_dim + kv_head * pair_size, pair_size,
-                               out_tile + r * pair_size);
-            }
-        }
-        free(q_tile);
-        free(out_tile);
-        free(kt);
-        free(vc);
-        free(state);
+        AttnScratch scratch;
+        attn_scratch_carve(&scratch, arena + per_thread * omp_get_thread_num(), num_heads, num_kv_heads, head_dim, 1);
+        CAT(prefill_body_, KV_SUFFIX)(&a, &p, &scratch);
     }
-    free(tile_seg);
-    free(tile_first);
-    return failed ? -1 : 0;
+    prefill_free_tiles(&p);
+    free(arena);
+    return 0;
 }
 
 #undef PREFILL_ITEM_FN

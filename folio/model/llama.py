@@ -20,6 +20,7 @@ from torch import nn
 
 from folio.attention.backends.base import AttentionBackend
 from folio.attention.metadata import AttnMetadata
+from folio.model.cpu_fused import FusedCpuDecoder
 from folio.model.layers.activation import silu_and_mul
 from folio.model.layers.cpu_gemm import pack_weights, packed_linear
 from folio.model.layers.embedding import VocabEmbedding, compute_lm_logits
@@ -118,6 +119,13 @@ class LlamaModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(spec.head_dim, spec.rope_theta, spec.rope_scaling)
         self.layers = nn.ModuleList(LlamaDecoderLayer(spec, attn_backend) for _ in range(spec.num_hidden_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.fused_cpu: FusedCpuDecoder | None = None  # set by enable_fused_cpu
+
+    def enable_fused_cpu(self) -> bool:
+        """Runs the decoder layers through the fused CPU decoder from now on, where it applies (CPU, float32 or
+        bfloat16, weights packed by Folio's GEMM); returns whether it does. Call after pack_for_cpu."""
+        self.fused_cpu = FusedCpuDecoder.create(self)
+        return self.fused_cpu is not None
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], attn: AttnMetadata
@@ -126,6 +134,8 @@ class LlamaModel(nn.Module):
             raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.layers)} layers")
         hidden = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(positions, hidden.dtype)  # shared by every layer
+        if self.fused_cpu is not None:  # the same layers in one C call (folio/model/cpu_fused.py)
+            return self.fused_cpu.forward(hidden, cos, sin, kv_caches, attn)
         residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(hidden, residual, cos, sin, kv_cache, attn)

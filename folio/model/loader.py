@@ -62,8 +62,11 @@ def load_model(
     device: torch.device,
     attn_backend: AttentionBackend | None = None,
     show_progress: bool = True,
+    enforce_eager: bool = False,
 ) -> tuple[LlamaForCausalLM, ModelSpec]:
     """Builds the model for ``path`` and fills its weights. attn_backend defaults to the one chosen for device.
+    On the CPU the weights are packed for the GEMM and, unless enforce_eager, the decoder layers run fused
+    (folio/model/cpu_fused.py).
 
     Raises FileNotFoundError / ValueError naming the path for a missing or malformed checkpoint, an
     unsupported architecture, or missing tensors.
@@ -87,6 +90,8 @@ def load_model(
         raise ValueError(str(e) if path in str(e) else f"{path}: {e}") from None
     if can_pack(device, dtype):
         model.pack_for_cpu()
+        if not enforce_eager:
+            model.model.enable_fused_cpu()
     return model.eval(), spec
 
 

@@ -97,7 +97,8 @@ class Worker:
             logger.info("No-op model with the shapes of %s (engine-overhead benchmarks only)", spec.architecture)
             return NoopCausalLM(spec, self.dtype, self.device), spec
         logger.info("Loading %s as %s on %s", self.config.model_config.model, self.dtype, self.device)
-        model, spec = load_model(self.config.model_config.model, self.dtype, self.device)
+        model_config = self.config.model_config
+        model, spec = load_model(model_config.model, self.dtype, self.device, enforce_eager=model_config.enforce_eager)
         return model, spec
 
     def determine_num_blocks(self) -> int:

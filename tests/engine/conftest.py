@@ -28,8 +28,8 @@ def _memoized_loading() -> Iterator[None]:
     original_load_model = worker_module.load_model
 
     @functools.cache
-    def load_model_once(path: str, dtype: torch.dtype, device: torch.device) -> Any:
-        return original_load_model(path, dtype, device)
+    def load_model_once(path: str, dtype: torch.dtype, device: torch.device, enforce_eager: bool = False) -> Any:
+        return original_load_model(path, dtype, device, enforce_eager=enforce_eager)
 
     mp.setattr(worker_module, "load_model", load_model_once)
     mp.setattr(llm_engine_module, "load_tokenizer", functools.cache(llm_engine_module.load_tokenizer))

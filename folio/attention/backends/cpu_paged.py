@@ -51,7 +51,7 @@ class PagedKernels:
 def load_paged_attention_kernel() -> dict[torch.dtype, PagedKernels] | None:
     """The C entry points by K/V cache dtype, or None where no compiler is available (the selector then picks
     the torch backend)."""
-    lib = load_kernel_library("paged_attention_cpu")
+    lib = load_kernel_library("cpu_kernels")
     if lib is None:
         return None
     kernels = {}
@@ -67,7 +67,7 @@ def load_paged_attention_kernel() -> dict[torch.dtype, PagedKernels] | None:
 
 
 @dataclass
-class _StepPlan:
+class StepPlan:
     """The kernels' index arrays for one step (built once, shared by every layer)."""
 
     block_table: torch.Tensor  # [R, max_blocks] int32, contiguous
@@ -90,7 +90,7 @@ class CpuPagedBackend:
     def __init__(self, kernels: dict[torch.dtype, PagedKernels]) -> None:
         self._kernels = kernels
         self._plan_for: AttnMetadata | None = None
-        self._plan: _StepPlan | None = None
+        self._plan: StepPlan | None = None
 
     def forward(
         self,
@@ -109,7 +109,7 @@ class CpuPagedBackend:
                 f"got {kv_cache.dtype} on {query.device}"
             )
         self._write_kv(key, value, kv_cache, attn.slot_mapping)
-        plan = self._step_plan(attn)
+        plan = self.step_plan(attn)
         query_dtype = query.dtype
         if query.dtype not in SUPPORTED_KV_DTYPES or not heads_packed(query):
             query = query.float().contiguous()
@@ -150,7 +150,8 @@ class CpuPagedBackend:
         else:
             write_kv(key, value, kv_cache, slots)
 
-    def _step_plan(self, attn: AttnMetadata) -> _StepPlan:
+    def step_plan(self, attn: AttnMetadata) -> StepPlan:
+        """The kernels' index arrays for a step; built on the first layer's call, reused by the others."""
         if self._plan_for is attn and self._plan is not None:
             return self._plan
         rows: list[int] = []
@@ -170,7 +171,7 @@ class CpuPagedBackend:
             elif query_len > 1:
                 segs.append((i, start, seq_len - query_len + 1, query_len))
         seg_cols = list(zip(*segs, strict=True)) if segs else [(), (), (), ()]
-        self._plan = _StepPlan(
+        self._plan = StepPlan(
             block_table=attn.block_table.to(device="cpu", dtype=torch.int32).contiguous(),
             rows=torch.tensor(rows, dtype=torch.int64),
             row_req=torch.tensor(row_req, dtype=torch.int32),

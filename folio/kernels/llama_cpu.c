@@ -1,0 +1,77 @@
+/* The fused decoder of the Llama family on the CPU: every decoder layer of one step, and the final norm, in one
+ * call and one OpenMP parallel region.
+ *
+ * Why: run layer by layer from Python, a decode step of SmolLM2 (30 layers) makes about 300 kernel calls, each
+ * with its Python dispatch, ctypes argument conversion and OpenMP fork/join: about 1 s of a 14 s W1 run went
+ * there (docs/performance.md). Here the team of threads is formed once per step and walks the layers; each phase
+ * (norm, projection, rotary + cache write, attention, ...) is a work-shared loop whose implicit barrier orders it
+ * after the previous one.
+ *
+ * The phases call the same bodies as the per-op kernels (cpu_ops_impl.h, cpu_gemm_impl.h,
+ * paged_attention_cpu_impl.h) in the same order with the same roundings, so the fused decoder's output is
+ * bit-identical to the layer-by-layer path (tests/kernels/test_llama_cpu.py checks it); that path stays the
+ * reference and the CUDA path. Layer math, per layer l (h: the residual stream, kept in place in `hidden`):
+ *   normed = rms_norm(l == 0 ? h : proj + h)  (h updated to proj + h)
+ *   q|k|v  = normed @ Wqkv^T (+ bias);  rotary(q, k);  k, v -> cache;  attn = attention(q, cache)
+ *   proj   = attn @ Wo^T;  normed = rms_norm(proj + h)  (h updated);  act = silu(gate) * up of normed @ Wgu^T
+ *   proj   = act @ Wdown^T
+ * and at the end: out = final_norm(proj + h). */
+
+/* One decoder layer's parameters: packed projections (cpu_gemm.c layout), norm weights, an optional q|k|v bias,
+ * and the layer's K/V caches (head 0 of block 0; layout in LlamaModelParams). */
+typedef struct {
+    const void *input_norm, *post_norm; /* [H], the model's dtype */
+    const void *qkv, *o, *gate_up, *down;
+    const float *qkv_bias; /* [(NH + 2 KV) D] float32, or NULL */
+    void *k_cache, *v_cache;
+} LlamaLayerParams;
+
+typedef struct {
+    int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate;
+    float eps, scale;
+    const LlamaLayerParams *layers; /* [num_layers] */
+    const void *final_norm;         /* [H] */
+    int64_t block_size, block_stride, head_stride, pos_stride; /* every layer's cache has this layout */
+} LlamaModelParams;
+
+/* One step: the token rows, the attention plan (as CpuPagedBackend builds it) and scratch buffers. */
+typedef struct {
+    int64_t num_tokens;
+    void *hidden;             /* [T, H]: the embeddings in; the final residual stream out */
+    void *out;                /* [T, H]: the final norm's output */
+    const void *cos, *sin;    /* [T, D] */
+    const int64_t *slots;     /* [T] cache slot of each row */
+    const int32_t *block_table;
+    int64_t bt_stride;
+    const int64_t *rows; /* decodes (single-token queries), see DecodeRows */
+    const int32_t *row_req, *row_ctx;
+    int64_t num_rows;
+    const int32_t *seg_req; /* prefills (multi-token queries), see PrefillSegs */
+    const int64_t *seg_row;
+    const int32_t *seg_ctx, *seg_len;
+    int64_t num_segs;
+    void *qkv, *attn_out, *proj, *gate_up, *act; /* scratch: [T, (NH + 2 KV) D], [T, NH D], [T, H], [T, 2 I], [T, I] */
+    int num_threads;
+    double *phase_seconds; /* [LLAMA_NUM_PHASES] wall seconds added per phase, or NULL (no timing) */
+} LlamaStep;
+
+/* Phases timed when LlamaStep.phase_seconds is set (their names: folio/model/cpu_fused.py PHASES). Each phase
+ * ends at a barrier, so thread 0's clock between barriers is the phase's wall time. */
+enum { PHASE_NORM, PHASE_QKV, PHASE_ROPE_CACHE, PHASE_DECODE_ATTN, PHASE_PREFILL_ATTN, PHASE_O, PHASE_GATE_UP,
+       PHASE_SILU, PHASE_DOWN, LLAMA_NUM_PHASES };
+
+#define ELEM_T float
+#define SUFFIX f32
+#define IS_BF16 0
+#include "llama_cpu_impl.h"
+#undef ELEM_T
+#undef SUFFIX
+#undef IS_BF16
+
+#define ELEM_T uint16_t
+#define SUFFIX bf16
+#define IS_BF16 1
+#include "llama_cpu_impl.h"
+#undef ELEM_T
+#undef SUFFIX
+#undef IS_BF16

@@ -1,0 +1,70 @@
+/* The fused decoder for one element type (activations, weights and K/V cache alike), included once per type by
+ * llama_cpu.c with ELEM_T, SUFFIX (f32, bf16) and IS_BF16. Returns 0, or -1 if a buffer could not be allocated. */
+int CAT(folio_llama_forward_, SUFFIX)(const LlamaModelParams *m, const LlamaStep *s) {
+    const int64_t T = s->num_tokens, H = m->hidden, D = m->head_dim, inter = m->intermediate;
+    const int64_t q_size = m->num_heads * D, qkv_size = q_size + 2 * m->num_kv_heads * D;
+    ELEM_T *hidden = s->hidden, *out = s->out, *qkv = s->qkv, *attn_out = s->attn_out, *proj = s->proj;
+    ELEM_T *gate_up = s->gate_up, *act = s->act;
+    const KVLayout kv = {m->block_size, m->block_stride, m->head_stride, m->pos_stride};
+    const DecodeRows decode = {s->rows, s->row_req, s->row_ctx, s->num_rows};
+    PrefillSegs prefill = {s->seg_req, s->seg_row, s->seg_ctx, s->seg_len, s->num_segs, NULL, NULL, 0};
+    int64_t max_ctx = 1;
+    for (int64_t i = 0; i < s->num_rows; ++i) max_ctx = s->row_ctx[i] > max_ctx ? s->row_ctx[i] : max_ctx;
+    const int64_t per_thread = attn_scratch_floats(m->num_heads, m->num_kv_heads, D, max_ctx);
+    float *arena = malloc(sizeof(float) * per_thread * s->num_threads);
+    if (arena == NULL || prefill_plan_tiles(&prefill) != 0) {
+        free(arena);
+        prefill_free_tiles(&prefill);
+        return -1;
+    }
+#pragma omp parallel num_threads(s->num_threads)
+    {
+        AttnScratch scratch;
+        attn_scratch_carve(&scratch, arena + per_thread * omp_get_thread_num(), m->num_heads, m->num_kv_heads, D,
+                           max_ctx);
+        double *timing = omp_get_thread_num() == 0 ? s->phase_seconds : NULL;
+        double last = timing != NULL ? omp_get_wtime() : 0.0;
+#define PHASE_DONE(k)                                                                                            \
+    if (timing != NULL) {                                                                                        \
+        const double now = omp_get_wtime();                                                                      \
+        timing[k] += now - last;                                                                                 \
+        last = now;                                                                                              \
+    }
+        for (int64_t l = 0; l < m->num_layers; ++l) {
+            const LlamaLayerParams *p = &m->layers[l];
+            if (l == 0) /* the embeddings are the residual stream; the layer's input is their norm */
+                CAT(rms_norm_body_, SUFFIX)(hidden, H, NULL, p->input_norm, out, NULL, T, H, m->eps);
+            else
+                CAT(rms_norm_body_, SUFFIX)(proj, H, hidden, p->input_norm, out, hidden, T, H, m->eps);
+            PHASE_DONE(PHASE_NORM)
+            CAT(gemm_body_, SUFFIX)(out, H, p->qkv, p->qkv_bias, qkv, IS_BF16, qkv_size, T, qkv_size, H);
+            PHASE_DONE(PHASE_QKV)
+            CAT(rope_and_cache_body_, SUFFIX)(qkv, qkv_size, s->cos, s->sin, p->k_cache, p->v_cache, s->slots, &kv, T,
+                                              m->num_heads, m->num_kv_heads, D);
+            PHASE_DONE(PHASE_ROPE_CACHE)
+            const PagedArgs attn = {qkv, qkv_size, IS_BF16, attn_out, IS_BF16, p->k_cache, p->v_cache,
+                                    m->block_stride, m->head_stride, m->pos_stride, m->block_size, s->block_table,
+                                    s->bt_stride, m->num_heads, m->num_kv_heads, D, m->scale};
+            if (decode.num_rows > 0) CAT(decode_body_, SUFFIX)(&attn, &decode, &scratch);
+            PHASE_DONE(PHASE_DECODE_ATTN)
+            if (prefill.num_tiles > 0) CAT(prefill_body_, SUFFIX)(&attn, &prefill, &scratch);
+            PHASE_DONE(PHASE_PREFILL_ATTN)
+            CAT(gemm_body_, SUFFIX)(attn_out, q_size, p->o, NULL, proj, IS_BF16, H, T, H, q_size);
+            PHASE_DONE(PHASE_O)
+            CAT(rms_norm_body_, SUFFIX)(proj, H, hidden, p->post_norm, out, hidden, T, H, m->eps);
+            PHASE_DONE(PHASE_NORM)
+            CAT(gemm_body_, SUFFIX)(out, H, p->gate_up, NULL, gate_up, IS_BF16, 2 * inter, T, 2 * inter, H);
+            PHASE_DONE(PHASE_GATE_UP)
+            CAT(silu_and_mul_body_, SUFFIX)(gate_up, 2 * inter, act, T, inter);
+            PHASE_DONE(PHASE_SILU)
+            CAT(gemm_body_, SUFFIX)(act, inter, p->down, NULL, proj, IS_BF16, H, T, H, inter);
+            PHASE_DONE(PHASE_DOWN)
+        }
+        CAT(rms_norm_body_, SUFFIX)(proj, H, hidden, m->final_norm, out, hidden, T, H, m->eps);
+        PHASE_DONE(PHASE_NORM)
+#undef PHASE_DONE
+    }
+    prefill_free_tiles(&prefill);
+    free(arena);
+    return 0;
+}

@@ -1,0 +1,246 @@
+"""The fused CPU decoder: all decoder layers of a Llama-family model in one C call per step.
+
+``folio/kernels/llama_cpu.c`` runs the same kernels as the layer-by-layer path (the packed GEMM, the fused
+element-wise ops, the paged attention) inside one OpenMP region, with the same roundings, so its output is
+bit-identical; what it removes is the per-op Python dispatch and thread fork/join, about 1 s of a 14 s W1 run
+(docs/performance.md). It is to the CPU what CUDA-graph capture is to vLLM on a GPU, and ``enforce_eager``
+turns it off the same way. The layer-by-layer model in folio/model/llama.py stays the reference and the path of
+every other device and dtype.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from folio.attention.backends.cpu_paged import CpuPagedBackend
+from folio.attention.metadata import AttnMetadata
+from folio.kernels.cpu_build import load_kernel_library
+from folio.kernels.cpu_gemm import PackedWeight
+
+if TYPE_CHECKING:
+    from folio.model.llama import LlamaModel
+
+_i64, _f32, _ptr, _int = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int
+_SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
+# The phases llama_cpu.c times (its enum, in order) when phase timing is on.
+PHASES = (
+    "rms_norm",
+    "qkv_proj",
+    "rotary+kv_write",
+    "decode_attention",
+    "prefill_attention",
+    "o_proj",
+    "gate_up_proj",
+    "silu_and_mul",
+    "down_proj",
+)
+
+
+class _LayerParams(ctypes.Structure):
+    _fields_ = [
+        ("input_norm", _ptr),
+        ("post_norm", _ptr),
+        ("qkv", _ptr),
+        ("o", _ptr),
+        ("gate_up", _ptr),
+        ("down", _ptr),
+        ("qkv_bias", _ptr),
+        ("k_cache", _ptr),
+        ("v_cache", _ptr),
+    ]
+
+
+class _ModelParams(ctypes.Structure):
+    _fields_ = [
+        ("num_layers", _i64),
+        ("hidden", _i64),
+        ("num_heads", _i64),
+        ("num_kv_heads", _i64),
+        ("head_dim", _i64),
+        ("intermediate", _i64),
+        ("eps", _f32),
+        ("scale", _f32),
+        ("layers", ctypes.POINTER(_LayerParams)),
+        ("final_norm", _ptr),
+        ("block_size", _i64),
+        ("block_stride", _i64),
+        ("head_stride", _i64),
+        ("pos_stride", _i64),
+    ]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [
+        ("num_tokens", _i64),
+        ("hidden", _ptr),
+        ("out", _ptr),
+        ("cos", _ptr),
+        ("sin", _ptr),
+        ("slots", _ptr),
+        ("block_table", _ptr),
+        ("bt_stride", _i64),
+        ("rows", _ptr),
+        ("row_req", _ptr),
+        ("row_ctx", _ptr),
+        ("num_rows", _i64),
+        ("seg_req", _ptr),
+        ("seg_row", _ptr),
+        ("seg_ctx", _ptr),
+        ("seg_len", _ptr),
+        ("num_segs", _i64),
+        ("qkv", _ptr),
+        ("attn_out", _ptr),
+        ("proj", _ptr),
+        ("gate_up", _ptr),
+        ("act", _ptr),
+        ("num_threads", _int),
+        ("phase_seconds", _ptr),
+    ]
+
+
+def _packed(module: Any) -> PackedWeight:
+    packed = module.packed_weight
+    assert isinstance(packed, PackedWeight)
+    return packed
+
+
+class FusedCpuDecoder:
+    """Runs ``LlamaModel``'s decoder layers and final norm for one step (``forward``); build with ``create``."""
+
+    def __init__(self, model: LlamaModel, backend: CpuPagedBackend, fn: Any) -> None:
+        self._backend = backend
+        self._fn = fn
+        self._keep: list[torch.Tensor] = []  # float32 bias copies the C side points at
+        layers: list[Any] = list(model.layers)
+        first = layers[0]
+        attn = first.self_attn
+        self._dtype: torch.dtype = first.input_layernorm.weight.dtype
+        self._sizes = (int(attn.num_heads * attn.head_dim), int(attn.num_kv_heads * attn.head_dim))
+        self._inter = _packed(first.mlp.gate_up_proj).n // 2
+        self._hidden = _packed(attn.o_proj).n
+        self._layers = (_LayerParams * len(layers))()
+        for params, layer in zip(self._layers, layers, strict=True):
+            params.input_norm = layer.input_layernorm.weight.data_ptr()
+            params.post_norm = layer.post_attention_layernorm.weight.data_ptr()
+            params.qkv = _packed(layer.self_attn.qkv_proj).data.data_ptr()
+            params.o = _packed(layer.self_attn.o_proj).data.data_ptr()
+            params.gate_up = _packed(layer.mlp.gate_up_proj).data.data_ptr()
+            params.down = _packed(layer.mlp.down_proj).data.data_ptr()
+            bias = layer.self_attn.qkv_proj.bias
+            if bias is not None:
+                self._keep.append(bias.detach().float().contiguous())
+                params.qkv_bias = self._keep[-1].data_ptr()
+        self._params = _ModelParams(
+            num_layers=len(layers),
+            hidden=self._hidden,
+            num_heads=attn.num_heads,
+            num_kv_heads=attn.num_kv_heads,
+            head_dim=attn.head_dim,
+            intermediate=self._inter,
+            eps=first.input_layernorm.eps,
+            scale=attn.scale,
+            layers=self._layers,
+            final_norm=model.norm.weight.data_ptr(),
+        )
+        self._model = model  # the weights the pointers above refer to stay alive with it
+        self._caches_bound: list[torch.Tensor] | None = None
+        # while timing (set_phase_timing): one record per forward, (decode rows, prefill segments, seconds per phase)
+        self.phase_records: list[tuple[int, int, list[float]]] | None = None
+        self._phase_seconds = torch.zeros(len(PHASES), dtype=torch.float64)
+
+    def set_phase_timing(self, on: bool) -> None:
+        """Starts (with no records) or stops recording the wall time of each phase of every forward, as PHASES
+        names them; for the latency benchmark's profile. Off, a step pays one NULL test per phase."""
+        self.phase_records = [] if on else None
+
+    @classmethod
+    def create(cls, model: LlamaModel) -> FusedCpuDecoder | None:
+        """The fused decoder for ``model``, or None where it does not apply (not the CPU paged backend, weights
+        not packed by Folio's GEMM, another dtype, no compiler): the model then runs layer by layer."""
+        backend = model.layers[0].self_attn.attn_backend
+        dtype = model.norm.weight.dtype
+        if not isinstance(backend, CpuPagedBackend) or dtype not in _SUFFIXES or model.norm.weight.device.type != "cpu":
+            return None
+        linears = [m for layer in model.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj)]
+        linears += [m for layer in model.layers for m in (layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+        if not all(isinstance(m.packed_weight, PackedWeight) for m in linears):
+            return None
+        lib = load_kernel_library("cpu_kernels")
+        if lib is None:
+            return None
+        fn = getattr(lib, f"folio_llama_forward_{_SUFFIXES[dtype]}")
+        fn.argtypes = [ctypes.POINTER(_ModelParams), ctypes.POINTER(_Step)]
+        fn.restype = ctypes.c_int
+        return cls(model, backend, fn)
+
+    def _bind_caches(self, kv_caches: list[torch.Tensor]) -> None:
+        """Points every layer at its cache; the caches live as long as the engine, so this runs once."""
+        for params, cache in zip(self._layers, kv_caches, strict=True):
+            if cache.dtype != self._dtype:
+                raise ValueError(f"fused CPU decoder: K/V cache is {cache.dtype}, the model {self._dtype}")
+            params.k_cache, params.v_cache = cache[0].data_ptr(), cache[1].data_ptr()
+        first = kv_caches[0]  # [2, num_blocks, block_size, num_kv_heads, head_dim], maybe a head-major view
+        self._params.block_size = first.shape[2]
+        self._params.block_stride = first.stride(1)
+        self._params.head_stride = first.stride(3)
+        self._params.pos_stride = first.stride(2)
+        self._caches_bound = list(kv_caches)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [T, hidden]: the embeddings (overwritten: the residual stream)
+        cos: torch.Tensor,  # [T, head_dim]
+        sin: torch.Tensor,  # [T, head_dim]
+        kv_caches: list[torch.Tensor],
+        attn: AttnMetadata,
+    ) -> torch.Tensor:  # [T, hidden], final norm applied
+        bound = self._caches_bound
+        if bound is None or len(bound) != len(kv_caches) or any(a is not b for a, b in zip(bound, kv_caches)):  # noqa: B905
+            self._bind_caches(kv_caches)
+        num_tokens = hidden.shape[0]
+        plan = self._backend.step_plan(attn)
+        slots = attn.slot_mapping if attn.slot_mapping.dtype == torch.int64 else attn.slot_mapping.long()
+        slots = slots.contiguous()
+        cos, sin = cos.contiguous(), sin.contiguous()
+        hidden = hidden.contiguous()
+        q_size, kv_size = self._sizes
+
+        def scratch(width: int) -> torch.Tensor:
+            return torch.empty((num_tokens, width), dtype=self._dtype)
+
+        out, qkv, attn_out = scratch(self._hidden), scratch(q_size + 2 * kv_size), scratch(q_size)
+        proj, gate_up, act = scratch(self._hidden), scratch(2 * self._inter), scratch(self._inter)
+        step = _Step(
+            num_tokens=num_tokens,
+            hidden=hidden.data_ptr(),
+            out=out.data_ptr(),
+            cos=cos.data_ptr(),
+            sin=sin.data_ptr(),
+            slots=slots.data_ptr(),
+            block_table=plan.block_table.data_ptr(),
+            bt_stride=plan.block_table.shape[1],
+            rows=plan.rows.data_ptr(),
+            row_req=plan.row_req.data_ptr(),
+            row_ctx=plan.row_ctx.data_ptr(),
+            num_rows=plan.rows.numel(),
+            seg_req=plan.seg_req.data_ptr(),
+            seg_row=plan.seg_row.data_ptr(),
+            seg_ctx=plan.seg_ctx.data_ptr(),
+            seg_len=plan.seg_len.data_ptr(),
+            num_segs=plan.seg_req.numel(),
+            qkv=qkv.data_ptr(),
+            attn_out=attn_out.data_ptr(),
+            proj=proj.data_ptr(),
+            gate_up=gate_up.data_ptr(),
+            act=act.data_ptr(),
+            num_threads=torch.get_num_threads(),
+            phase_seconds=None if self.phase_records is None else self._phase_seconds.zero_().data_ptr(),
+        )
+        if self._fn(ctypes.byref(self._params), ctypes.byref(step)) != 0:
+            raise MemoryError("fused CPU decoder could not allocate its buffers")
+        if self.phase_records is not None:
+            self.phase_records.append((step.num_rows, step.num_segs, self._phase_seconds.tolist()))
+        return out
