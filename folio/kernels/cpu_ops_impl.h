@@ -56,8 +56,17 @@ static void CAT(silu_and_mul_body_, SUFFIX)(const ELEM_T *gate_up, int64_t gu_st
         const ELEM_T *g = gate_up + t * gu_stride;
         const ELEM_T *u = g + inter;
         ELEM_T *o = out + t * inter;
-#pragma omp simd
-        for (int64_t j = 0; j < inter; ++j) {
+        int64_t j = 0;
+#ifdef __AVX512F__
+        /* 16 at a time: the scalar loop's expf call does not vectorize with bfloat16 rounding around it (it cost
+         * 12% of a decode step) */
+        for (; j + 16 <= inter; j += 16) {
+            const __m512 gf = VLOAD16(g + j);
+            const __m512 silu = _mm512_div_ps(gf, _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), gf))));
+            VSTORE16(o + j, _mm512_mul_ps(VROUND16(silu), VLOAD16(u + j)));
+        }
+#endif
+        for (; j < inter; ++j) {
             const float gf = LOAD(g[j]);
             o[j] = STORE(ROUND(gf / (1.0f + expf(-gf))) * LOAD(u[j]));
         }

@@ -136,12 +136,6 @@ static void store_from_f32(void *dst, int is_bf16, int64_t offset, int64_t n, co
 }
 
 #ifdef __AVX512F__
-static inline __m512 load16_f32(const float *p) { return _mm512_loadu_ps(p); }
-static inline __m512 load16_bf16(const uint16_t *p) {
-    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
-
 /* r[i] <- column i of the 16 x 16 block whose rows are r[0..15] (unpack, shuffle within and across lanes) */
 static inline void transpose16(__m512 r[16]) {
     __m512 t[16];
@@ -176,24 +170,6 @@ static inline __m512bh load32_bh(const void *p) {
     return v;
 }
 #endif
-
-/* exp(x) of 16 floats (Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, exp(r) by a degree-7 polynomial, then
- * scaled by 2^n); within 2 ulp of expf over the softmax's range x <= 0, and 0 below -87. */
-static inline __m512 exp512(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x); /* ln2 in two parts (Cody-Waite) */
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, n);
-}
 
 /* lane j of the result = the sum of the 16 lanes of s[j]: a reduction tree (45 shuffles and adds for 16 sums,
  * where 16 separate horizontal sums take about 130) */
