@@ -61,21 +61,32 @@ void folio_gemm_pack_bf16(const uint16_t *w, int64_t ldw, int64_t n, int64_t k, 
 }
 
 /* Where a tile's accumulators go: out[row][col] (+ bias[col]) for the valid columns of the block, stored as
- * float32 or rounded to bfloat16. */
+ * float32 or rounded to bfloat16; or, when best_val is set, into a running arg-max per row instead of memory
+ * (folio_gemm_argmax_*): lane l of best_val[row * 16 + l] / best_col[...] is the largest value seen in the columns
+ * = l (mod 16) and the first column holding it. */
 typedef struct {
     void *out;
     int out_is_bf16;
     int64_t ldc;
     const float *bias; /* [N] or NULL */
     int64_t n;
+    float *best_val;   /* [M, 16] or NULL */
+    int32_t *best_col; /* [M, 16] */
 } Epilogue;
 
 static inline void store_scalar(const Epilogue *e, int64_t row, int64_t col, float v) {
     if (e->bias != NULL) v += e->bias[col];
-    if (e->out_is_bf16)
+    if (e->best_val != NULL) {
+        float *best = e->best_val + row * 16 + col % 16;
+        if (v > *best) {
+            *best = v;
+            e->best_col[row * 16 + col % 16] = (int32_t)col;
+        }
+    } else if (e->out_is_bf16) {
         ((uint16_t *)e->out)[row * e->ldc + col] = f32_to_bf16(v);
-    else
+    } else {
         ((float *)e->out)[row * e->ldc + col] = v;
+    }
 }
 
 #ifdef __AVX512F__
@@ -84,17 +95,16 @@ static inline void store16(const Epilogue *e, int64_t row, int64_t col, __m512 a
     if (col >= e->n) return;
     const __mmask16 mask = e->n - col >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (e->n - col)) - 1);
     if (e->bias != NULL) acc = _mm512_add_ps(acc, _mm512_maskz_loadu_ps(mask, e->bias + col));
-    if (e->out_is_bf16) {
-#ifdef __AVX512BF16__
-        const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(acc);
-#else
-        /* round to nearest even on the integer bits (inputs here are finite sums) */
-        const __m512i bits = _mm512_castps_si512(acc);
-        const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-        const __m512i up = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-        const __m256i rounded = _mm512_cvtepi32_epi16(_mm512_srli_epi32(up, 16));
-#endif
-        _mm256_mask_storeu_epi16((uint16_t *)e->out + row * e->ldc + col, mask, rounded);
+    if (e->best_val != NULL) { /* columns ascend per lane, so a strict > keeps the first of equal values */
+        float *best = e->best_val + row * 16;
+        int32_t *best_col = e->best_col + row * 16;
+        const __mmask16 better = _mm512_mask_cmp_ps_mask(mask, acc, _mm512_loadu_ps(best), _CMP_GT_OQ);
+        _mm512_mask_storeu_ps(best, better, acc);
+        const __m512i cols = _mm512_add_epi32(_mm512_set1_epi32((int32_t)col),
+                                              _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+        _mm512_mask_storeu_epi32(best_col, better, cols);
+    } else if (e->out_is_bf16) {
+        _mm256_mask_storeu_epi16((uint16_t *)e->out + row * e->ldc + col, mask, f32x16_to_bf16(acc));
     } else {
         _mm512_mask_storeu_ps((float *)e->out + row * e->ldc + col, mask, acc);
     }

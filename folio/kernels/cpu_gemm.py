@@ -39,6 +39,7 @@ class CpuGemm:
         self._numel: dict[torch.dtype, Any] = {}
         self._pack: dict[torch.dtype, Any] = {}
         self._gemm: dict[torch.dtype, Any] = {}
+        self._argmax: dict[torch.dtype, Any] = {}
         for dtype, suffix in _SUFFIXES.items():
             numel = getattr(lib, f"folio_gemm_packed_numel_{suffix}")
             numel.argtypes, numel.restype = [_i64, _i64], _i64
@@ -48,7 +49,11 @@ class CpuGemm:
             gemm = getattr(lib, f"folio_gemm_{suffix}")
             # x, lda, packed, bias, out, out_is_bf16, ldc, m, n, k, num_threads
             gemm.argtypes, gemm.restype = [_ptr, _i64, _ptr, _ptr, _ptr, _int, _i64, _i64, _i64, _i64, _int], None
+            argmax = getattr(lib, f"folio_gemm_argmax_{suffix}")
+            # x, lda, packed, m, n, k, out_ids, num_threads
+            argmax.argtypes, argmax.restype = [_ptr, _i64, _ptr, _i64, _i64, _i64, _ptr, _int], _int
             self._numel[dtype], self._pack[dtype], self._gemm[dtype] = numel, pack, gemm
+            self._argmax[dtype] = argmax
 
     @staticmethod
     def supports(weight: torch.Tensor) -> bool:
@@ -105,6 +110,24 @@ class CpuGemm:
             torch.get_num_threads(),
         )
         return out
+
+    def argmax(self, x: torch.Tensor, weight: PackedWeight) -> torch.Tensor | None:
+        """x [T, k] -> [T] int64, the column of each row's largest entry of x @ W.T (the first of equals), without
+        writing the [T, n] product; None for T > 256 (the caller computes the product instead)."""
+        if x.stride(-1) != 1 or x.dim() != 2:
+            x = x.reshape(-1, x.shape[-1]).contiguous()
+        out = torch.empty(x.shape[0], dtype=torch.int64)
+        status = self._argmax[x.dtype](
+            x.data_ptr(),
+            x.stride(0),
+            weight.data.data_ptr(),
+            x.shape[0],
+            weight.n,
+            weight.k,
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
+        return out if status == 0 else None
 
 
 @functools.cache

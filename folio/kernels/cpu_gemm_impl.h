@@ -41,7 +41,7 @@ static void CAT(tile_, SUFFIX)(const ELEM_T *x, int64_t lda, const ELEM_T *wb, i
  * The body is an orphaned `omp for` (see cpu_ops_impl.h); folio_gemm_* opens a region of its own. */
 static void CAT(gemm_body_, SUFFIX)(const ELEM_T *x, int64_t lda, const ELEM_T *packed, const float *bias, void *out,
                                     int out_is_bf16, int64_t ldc, int64_t m, int64_t n, int64_t k) {
-    const Epilogue e = {out, out_is_bf16, ldc, bias, n};
+    const Epilogue e = {out, out_is_bf16, ldc, bias, n, NULL, NULL};
     const int64_t blocks = num_blocks(n), chunks = (m + CHUNK_M - 1) / CHUNK_M;
     const int64_t block_elems = PACKED_K(k) * BLOCK_N;
     /* item = block * chunks + chunk: consecutive items of a thread share a block (its weights stay in cache) */
@@ -61,4 +61,53 @@ void CAT(folio_gemm_, SUFFIX)(const ELEM_T *x, int64_t lda, const ELEM_T *packed
                               int out_is_bf16, int64_t ldc, int64_t m, int64_t n, int64_t k, int num_threads) {
 #pragma omp parallel num_threads(num_threads) if (num_blocks(n) * ((m + CHUNK_M - 1) / CHUNK_M) > 1)
     CAT(gemm_body_, SUFFIX)(x, lda, packed, bias, out, out_is_bf16, ldc, m, n, k);
+}
+
+/* out_ids[r] = the column of the largest entry of row r of x @ W^T (the first such column, as torch.argmax), for
+ * m <= CHUNK_M rows, without writing the [M, N] product: a greedy step's LM head (the sampler would only read the
+ * logits back for their arg-max). NaN entries are never chosen. Returns 0, or -1 if it could not allocate. */
+int CAT(folio_gemm_argmax_, SUFFIX)(const ELEM_T *x, int64_t lda, const ELEM_T *packed, int64_t m, int64_t n,
+                                    int64_t k, int64_t *out_ids, int num_threads) {
+    if (m > CHUNK_M) return -1;
+    float *best_val = malloc(sizeof(float) * num_threads * m * 16);
+    int32_t *best_col = malloc(sizeof(int32_t) * num_threads * m * 16);
+    if (best_val == NULL || best_col == NULL) {
+        free(best_val);
+        free(best_col);
+        return -1;
+    }
+    for (int64_t i = 0; i < num_threads * m * 16; ++i) {
+        best_val[i] = -FLT_MAX;
+        best_col[i] = INT32_MAX;
+    }
+#pragma omp parallel num_threads(num_threads)
+    {
+        const int64_t tid = omp_get_thread_num();
+        const Epilogue e = {NULL, 0, 0, NULL, n, best_val + tid * m * 16, best_col + tid * m * 16};
+        const int64_t block_elems = PACKED_K(k) * BLOCK_N;
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < num_blocks(n); ++b)
+            for (int64_t row = 0; row < m; row += TILE_M) {
+                const int64_t rows = m - row < TILE_M ? m - row : TILE_M;
+                CAT(tile_, SUFFIX)(x + row * lda, lda, packed + b * block_elems, k, rows, &e, row, b * BLOCK_N);
+            }
+    }
+    /* every thread's 16 lanes of a row: the largest value, the first column among equals */
+    for (int64_t r = 0; r < m; ++r) {
+        float value = -FLT_MAX;
+        int32_t col = INT32_MAX;
+        for (int64_t t = 0; t < num_threads; ++t)
+            for (int64_t l = 0; l < 16; ++l) {
+                const float v = best_val[(t * m + r) * 16 + l];
+                const int32_t c = best_col[(t * m + r) * 16 + l];
+                if (v > value || (v == value && c < col)) {
+                    value = v;
+                    col = c;
+                }
+            }
+        out_ids[r] = col == INT32_MAX ? 0 : col;
+    }
+    free(best_val);
+    free(best_col);
+    return 0;
 }

@@ -20,6 +20,7 @@ from torch import nn
 
 from folio.attention.backends.base import AttentionBackend
 from folio.attention.metadata import AttnMetadata
+from folio.kernels.cpu_gemm import PackedWeight, load_cpu_gemm
 from folio.model.cpu_fused import FusedCpuDecoder
 from folio.model.layers.activation import silu_and_mul
 from folio.model.layers.cpu_gemm import pack_weights, packed_linear
@@ -170,6 +171,15 @@ class LlamaForCausalLM(nn.Module):
         if self.tied_lm_head_packed is not None:
             return packed_linear(hidden, self.tied_lm_head_packed, None, out_dtype=torch.float32)
         return compute_lm_logits(hidden, self.model.embed_tokens.weight)
+
+    def compute_greedy_token_ids(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """[S, hidden] -> [S] int64 argmax of the logits, without materializing them (the CPU GEMM's arg-max over
+        the packed LM head); None where that path is not available (the caller then computes the logits)."""
+        head = self.tied_lm_head_packed if self.lm_head is None else self.lm_head.packed_weight
+        if not isinstance(head, PackedWeight) or (self.lm_head is not None and self.lm_head.bias is not None):
+            return None
+        gemm = load_cpu_gemm()
+        return None if gemm is None else gemm.argmax(hidden, head)
 
     def pack_for_cpu(self) -> None:
         """Packs every projection and the LM head (folio.model.layers.cpu_gemm), all in one arena; call after

@@ -57,6 +57,10 @@ class NoopCausalLM(nn.Module):
         logits[:, self.token_id] = 1.0
         return logits
 
+    def compute_greedy_token_ids(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """No fused arg-max here: the runner takes the logits path, as with any model that lacks one."""
+        return None
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, hidden] -> [S, vocab] float32
         """A view of the shared one-hot rows. Safe to share because the sampler and the prompt-logprob code never
         modify their input logits (folio.sample.sampler: "processing works on a copy")."""

@@ -61,16 +61,16 @@ class Sampler:
             logprobs = gather_logprobs(raw_logprobs, sampled, metadata.max_num_logprobs)
         return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
 
+    @staticmethod
+    def only_argmax(metadata: SamplingMetadata) -> bool:
+        """Whether sampling these rows is the argmax of the raw logits (all greedy, no logprobs, nothing that
+        changes the logits): then the model may hand over token ids instead of logits
+        (LlamaForCausalLM.compute_greedy_token_ids) and the sampler is skipped."""
+        return metadata.all_greedy and metadata.max_num_logprobs is None and not _changes_logits(metadata)
+
     def process_logits(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         """Steps 2-6 (masks, bias, penalties) on a float32 copy; returns ``logits`` itself when nothing applies."""
-        needs_work = (
-            metadata.disallowed_token_mask is not None
-            or metadata.bad_words_token_ids
-            or metadata.min_tokens
-            or metadata.logit_bias is not None
-            or not metadata.no_penalties
-        )
-        if not needs_work:
+        if not _changes_logits(metadata):
             return logits.to(torch.float32)
         logits = logits.to(torch.float32, copy=True)
         if metadata.disallowed_token_mask is not None:
@@ -106,6 +106,17 @@ class Sampler:
             logits = apply_min_p(logits, metadata.min_p)
         probs = torch.softmax(logits, dim=-1)
         return exponential_race(probs, metadata.generators)
+
+
+def _changes_logits(metadata: SamplingMetadata) -> bool:
+    """Whether any of steps 2-6 applies to some row."""
+    return (
+        metadata.disallowed_token_mask is not None
+        or bool(metadata.bad_words_token_ids)
+        or bool(metadata.min_tokens)
+        or metadata.logit_bias is not None
+        or not metadata.no_penalties
+    )
 
 
 def _ban_tokens(logits: torch.Tensor, bans: tuple[list[int], list[int]]) -> None:

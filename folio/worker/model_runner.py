@@ -64,12 +64,23 @@ class ModelRunner:
         if timer is not None:
             timer.lap(PREPARE_INPUTS)
         hidden = self.model(model_input.input_ids, model_input.positions, self.kv_caches, model_input.attn)
-        logits = self.model.compute_logits(hidden[model_input.logits_indices])  # [S + P, vocab]
+        rows = hidden[model_input.logits_indices]  # [S + P, hidden]
+        num_sampled = len(model_input.sample_req_ids)
+        states = [self.requests[r] for r in model_input.sample_req_ids]
+        metadata = self._sampling_metadata(states) if num_sampled else None
+        greedy_ids = None
+        if metadata is not None and not model_input.prompt_logprobs and self.sampler.only_argmax(metadata):
+            greedy_ids = self.model.compute_greedy_token_ids(rows)  # None where the model has no such path
+        logits = None if greedy_ids is not None else self.model.compute_logits(rows)  # [S + P, vocab]
         if timer is not None:
             timer.lap(FORWARD)
-        num_sampled = len(model_input.sample_req_ids)
-        sampled = self._sample(logits[:num_sampled], model_input)
-        prompt_logprobs = self._prompt_logprobs(logits[num_sampled:], model_input)
+        sampled: dict[str, tuple[list[int], LogprobsLists | None]] = {}
+        if greedy_ids is not None:
+            sampled = self._record(states, greedy_ids.tolist(), None)
+        elif metadata is not None:
+            assert logits is not None
+            sampled = self._sample(logits[:num_sampled], metadata, states)
+        prompt_logprobs = {} if logits is None else self._prompt_logprobs(logits[num_sampled:], model_input)
         output = ModelRunnerOutput(
             req_ids=req_ids,
             sampled_token_ids=[sampled.get(r, ([], None))[0] for r in req_ids],
@@ -92,14 +103,8 @@ class ModelRunner:
         for kv_cache in self.kv_caches:
             kv_cache[:, dst] = kv_cache[:, src]
 
-    def _sample(
-        self, logits: torch.Tensor, model_input: ModelInput
-    ) -> dict[str, tuple[list[int], LogprobsLists | None]]:
-        """Samples one token per sampling request and appends it to the runner's copy of the request."""
-        if logits.shape[0] == 0:
-            return {}
-        states = [self.requests[r] for r in model_input.sample_req_ids]
-        metadata = SamplingMetadata.build(
+    def _sampling_metadata(self, states: list[CachedRequestState]) -> SamplingMetadata:
+        return SamplingMetadata.build(
             params=[s.sampling_params for s in states],
             prompt_token_ids=[s.prompt_token_ids for s in states],
             output_token_ids=[s.output_token_ids for s in states],
@@ -107,15 +112,26 @@ class ModelRunner:
             vocab_size=self.vocab_size,
             device=self.device,
         )
+
+    def _sample(
+        self, logits: torch.Tensor, metadata: SamplingMetadata, states: list[CachedRequestState]
+    ) -> dict[str, tuple[list[int], LogprobsLists | None]]:
+        """Samples one token per sampling request (logits row i is states[i]'s)."""
         out = self.sampler.forward(logits, metadata)
-        token_ids = out.sampled_token_ids.tolist()
         row_logprobs: list[LogprobsLists | None] = [None] * len(states)
         if out.logprobs is not None:
             row_logprobs = out.logprobs.split_rows([s.sampling_params.logprobs for s in states])
+        return self._record(states, out.sampled_token_ids.tolist(), row_logprobs)
+
+    @staticmethod
+    def _record(
+        states: list[CachedRequestState], token_ids: list[int], row_logprobs: list[LogprobsLists | None] | None
+    ) -> dict[str, tuple[list[int], LogprobsLists | None]]:
+        """Appends each request's sampled token to the runner's copy of it; the runner output's per-request part."""
         result: dict[str, tuple[list[int], LogprobsLists | None]] = {}
         for row, state in enumerate(states):
             state.output_token_ids.append(token_ids[row])
-            result[state.req_id] = ([token_ids[row]], row_logprobs[row])
+            result[state.req_id] = ([token_ids[row]], None if row_logprobs is None else row_logprobs[row])
         return result
 
     def _generator(self, state: CachedRequestState) -> torch.Generator | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 from folio import LLM, SamplingParams
 from tests.engine.conftest import assert_no_leaks
@@ -116,4 +117,26 @@ def test_multibyte_text_is_clean(llm: LLM) -> None:
         use_tqdm=False,
     )
     assert "\ufffd" not in out[0].outputs[0].text
+    assert_no_leaks(llm)
+
+
+def test_greedy_without_logits_equals_greedy_from_logits(llm: LLM, monkeypatch: Any) -> None:
+    # Plain greedy rows take the LM head's fused arg-max (no logits); asking for logprobs forces the logits path.
+    model = llm.llm_engine.executor.worker.model
+    calls: list[int] = []
+    fused_argmax = model.compute_greedy_token_ids
+
+    def counting(hidden: Any) -> Any:
+        calls.append(hidden.shape[0])
+        return fused_argmax(hidden)
+
+    monkeypatch.setattr(model, "compute_greedy_token_ids", counting)
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,"]
+    plain = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24), use_tqdm=False)
+    assert calls and all(n >= 1 for n in calls)
+    num_calls = len(calls)
+    with_logits = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24, logprobs=1), use_tqdm=False)
+    assert len(calls) == num_calls  # the logprobs run never asked for the fused arg-max
+    for a, b in zip(plain, with_logits, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
     assert_no_leaks(llm)

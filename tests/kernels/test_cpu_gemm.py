@@ -63,3 +63,28 @@ def test_odd_k_bfloat16_is_not_supported() -> None:
     assert CpuGemm.supports(torch.empty(4, 3, dtype=torch.float32))
     with pytest.raises(ValueError, match="cannot pack"):
         _gemm().pack_all([torch.empty(4, 4, dtype=torch.bfloat16), torch.empty(4, 4)])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("m", "n"), [(1, 48), (5, 1000), (64, 49152), (9, 7)])
+def test_argmax_equals_torch_argmax_of_the_product(dtype: torch.dtype, m: int, n: int) -> None:
+    gen = torch.Generator().manual_seed(m + n)
+    w = torch.randn(n, 64, generator=gen).to(dtype)
+    x = torch.randn(m, 64, generator=gen).to(dtype)
+    gemm = _gemm()
+    [packed] = gemm.pack_all([w])
+    ids = gemm.argmax(x, packed)
+    assert ids is not None and ids.dtype == torch.int64
+    assert ids.tolist() == gemm.linear(x, packed, None, out_dtype=torch.float32).argmax(dim=-1).tolist()
+
+
+def test_argmax_takes_the_first_of_equal_maxima() -> None:
+    w = torch.zeros(200, 32)
+    w[[17, 90, 150], 0] = 1.0  # three columns tie for the maximum; torch.argmax picks the first
+    x = torch.zeros(2, 32)
+    x[:, 0] = 2.0
+    gemm = _gemm()
+    [packed] = gemm.pack_all([w])
+    assert gemm.argmax(x, packed) is not None
+    assert gemm.argmax(x, packed).tolist() == [17, 17]  # type: ignore[union-attr]
+    assert gemm.argmax(torch.zeros(300, 32), packed) is None  # more rows than one chunk: the caller's logits path

@@ -54,6 +54,30 @@ def test_all_greedy_is_argmax_and_metadata_is_minimal() -> None:
     assert out.logprobs is None
 
 
+@pytest.mark.parametrize(
+    ("extra", "expected"),
+    [
+        ({}, True),
+        ({"logprobs": 2}, False),
+        ({"repetition_penalty": 1.2}, False),
+        ({"logit_bias": {3: 1.0}}, False),
+        ({"allowed_token_ids": [1, 2]}, False),
+        ({"bad_words_token_ids": [[5]]}, False),
+        ({"min_tokens": 2, "stop_token_ids": [7]}, False),
+        ({"temperature": 0.7}, False),
+    ],
+)
+def test_only_argmax_exactly_when_nothing_but_the_argmax_matters(extra: dict[str, Any], expected: bool) -> None:
+    # the model may then hand over token ids instead of logits (LlamaForCausalLM.compute_greedy_token_ids)
+    params = {"temperature": 0.0, **extra}
+    bad_words = params.pop("bad_words_token_ids", None)
+    row = SamplingParams(**params)
+    if bad_words is not None:
+        row.bad_words_token_ids = bad_words
+    md = build([SamplingParams(temperature=0.0), row])
+    assert Sampler.only_argmax(md) is expected
+
+
 def test_top_k_1_and_tiny_top_p_are_argmax() -> None:
     logits = rand_logits(8, seed=1)
     expected = logits.argmax(-1).tolist()
