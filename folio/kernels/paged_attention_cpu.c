@@ -120,7 +120,11 @@ static void attn_scratch_carve(AttnScratch *s, float *base, int64_t num_heads, i
 static void load_as_f32(const void *src, int is_bf16, int64_t offset, int64_t n, float *dst) {
     if (is_bf16) {
         const uint16_t *s = (const uint16_t *)src + offset;
-        for (int64_t j = 0; j < n; ++j) dst[j] = bf16_to_f32(s[j]);
+        int64_t j = 0;
+#ifdef __AVX512F__
+        for (; j + 16 <= n; j += 16) _mm512_storeu_ps(dst + j, load16_bf16(s + j));
+#endif
+        for (; j < n; ++j) dst[j] = bf16_to_f32(s[j]);
     } else {
         memcpy(dst, (const float *)src + offset, sizeof(float) * n);
     }
@@ -129,7 +133,11 @@ static void load_as_f32(const void *src, int is_bf16, int64_t offset, int64_t n,
 static void store_from_f32(void *dst, int is_bf16, int64_t offset, int64_t n, const float *src) {
     if (is_bf16) {
         uint16_t *d = (uint16_t *)dst + offset;
-        for (int64_t j = 0; j < n; ++j) d[j] = f32_to_bf16(src[j]);
+        int64_t j = 0;
+#ifdef __AVX512F__
+        for (; j + 16 <= n; j += 16) store16_bf16(d + j, _mm512_loadu_ps(src + j)); /* finite values */
+#endif
+        for (; j < n; ++j) d[j] = f32_to_bf16(src[j]);
     } else {
         memcpy((float *)dst + offset, src, sizeof(float) * n);
     }

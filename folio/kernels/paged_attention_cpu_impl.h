@@ -466,45 +466,75 @@ static void PREFILL_ITEM_FN(
 DEFINE_PREFILL_AVX512(4)
 DEFINE_PREFILL_AVX512(8)
 #undef DEFINE_PREFILL_AVX512
+#if KV_IS_BF16 && defined(__AVX512BF16__)
+#define HAS_PREFILL_DP 1
+#include "prefill_attention_bf16.h"
+#else
+#define HAS_PREFILL_DP 0
+#endif
+#else
+#define HAS_PREFILL_DP 0
 #endif
 
-/* The prefill tiles of a step (see PrefillSegs), one work item per (tile, KV head). */
+/* One prefill tile with float32 maths (any cache type, any head_dim): q rows converted and pre-scaled, then the
+ * AVX-512 tile for head_dim 64 / 128 or the plain loops. */
+static void CAT(prefill_tile_f32_math_, KV_SUFFIX)(const PagedArgs *a, const ITEM *it, int64_t first_row,
+                                                   int64_t q_offset, const int32_t *ctx_of_row, int64_t rows,
+                                                   const AttnScratch *scratch) {
+    const int64_t pair_size = it->group * it->head_dim;
+    for (int64_t r = 0; r < rows; ++r) {
+        load_as_f32(a->q, a->q_bf16, (first_row + r) * a->q_row_stride + q_offset, pair_size,
+                    scratch->q_tile + r * pair_size);
+        for (int64_t i = 0; i < pair_size; ++i) scratch->q_tile[r * pair_size + i] *= a->scale;
+    }
+#ifdef __AVX512F__
+    if (it->head_dim == 64) {
+        CAT(prefill_tile_c4_, KV_SUFFIX)(it, scratch->q_tile, ctx_of_row, rows, scratch->out_tile, scratch->kt,
+                                         scratch->vc, scratch->state);
+        return;
+    }
+    if (it->head_dim == 128) {
+        CAT(prefill_tile_c8_, KV_SUFFIX)(it, scratch->q_tile, ctx_of_row, rows, scratch->out_tile, scratch->kt,
+                                         scratch->vc, scratch->state);
+        return;
+    }
+#endif
+    PREFILL_ITEM_FN(it, it->head_dim, scratch->q_tile, ctx_of_row, rows, scratch->out_tile, scratch->kt, scratch->vc,
+                    scratch->state);
+}
+
+/* The prefill tiles of a step (see PrefillSegs), one work item per (tile, KV head): bf16 queries on a bf16 cache
+ * take the dot-product tile (prefill_attention_bf16.h) where the CPU has AVX512-BF16, the rest float32 maths. */
 static void CAT(prefill_body_, KV_SUFFIX)(const PagedArgs *a, const PrefillSegs *p, const AttnScratch *scratch) {
     const int64_t group = a->num_heads / a->num_kv_heads, head_dim = a->head_dim, pair_size = group * head_dim;
     const int64_t num_items = p->num_tiles * a->num_kv_heads;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < num_items; ++item) {
         const int64_t tile = item / a->num_kv_heads, kv_head = item % a->num_kv_heads, s = p->tile_seg[tile];
-        const int64_t first = p->tile_first[tile];
+        const int64_t first = p->tile_first[tile], first_row = p->seg_row[s] + first;
         const int64_t rows = p->seg_len[s] - first < PREFILL_TILE ? p->seg_len[s] - first : PREFILL_TILE;
         int32_t ctx_of_row[PREFILL_TILE];
-        for (int64_t r = 0; r < rows; ++r) {
-            const int64_t row = p->seg_row[s] + first + r;
-            ctx_of_row[r] = p->seg_ctx[s] + (int32_t)(first + r);
-            load_as_f32(a->q, a->q_bf16, row * a->q_row_stride + kv_head * pair_size, pair_size,
-                        scratch->q_tile + r * pair_size);
-            for (int64_t i = 0; i < pair_size; ++i) scratch->q_tile[r * pair_size + i] *= a->scale;
-        }
+        for (int64_t r = 0; r < rows; ++r) ctx_of_row[r] = p->seg_ctx[s] + (int32_t)(first + r);
         const ITEM it = {(const KV_T *)a->k_cache + kv_head * a->head_stride,
                          (const KV_T *)a->v_cache + kv_head * a->head_stride,
                          a->block_table + (int64_t)p->seg_req[s] * a->bt_stride, 0, group, head_dim, a->block_size,
                          a->pos_stride, a->block_stride, a->scale};
-#ifdef __AVX512F__
-        if (head_dim == 64)
-            CAT(prefill_tile_c4_, KV_SUFFIX)(&it, scratch->q_tile, ctx_of_row, rows, scratch->out_tile, scratch->kt,
-                                             scratch->vc, scratch->state);
-        else if (head_dim == 128)
-            CAT(prefill_tile_c8_, KV_SUFFIX)(&it, scratch->q_tile, ctx_of_row, rows, scratch->out_tile, scratch->kt,
-                                             scratch->vc, scratch->state);
-        else
+#if HAS_PREFILL_DP
+        if (a->q_bf16 && (head_dim == 64 || head_dim == 128)) {
+            uint16_t *q_tile = (uint16_t *)scratch->q_tile; /* raw bf16 rows: [rows][G][D] */
+            for (int64_t r = 0; r < rows; ++r)
+                memcpy(q_tile + r * pair_size, (const uint16_t *)a->q + (first_row + r) * a->q_row_stride + kv_head * pair_size,
+                       sizeof(uint16_t) * pair_size);
+            if (head_dim == 64)
+                prefill_tile_dp_c4(&it, q_tile, a->scale, ctx_of_row, rows, scratch->out_tile, scratch->state);
+            else
+                prefill_tile_dp_c8(&it, q_tile, a->scale, ctx_of_row, rows, scratch->out_tile, scratch->state);
+        } else
 #endif
-            PREFILL_ITEM_FN(&it, head_dim, scratch->q_tile, ctx_of_row, rows, scratch->out_tile, scratch->kt,
-                            scratch->vc, scratch->state);
-        for (int64_t r = 0; r < rows; ++r) {
-            const int64_t row = p->seg_row[s] + first + r;
-            store_from_f32(a->out, a->out_bf16, row * a->num_heads * head_dim + kv_head * pair_size, pair_size,
-                           scratch->out_tile + r * pair_size);
-        }
+            CAT(prefill_tile_f32_math_, KV_SUFFIX)(a, &it, first_row, kv_head * pair_size, ctx_of_row, rows, scratch);
+        for (int64_t r = 0; r < rows; ++r)
+            store_from_f32(a->out, a->out_bf16, (first_row + r) * a->num_heads * head_dim + kv_head * pair_size,
+                           pair_size, scratch->out_tile + r * pair_size);
     }
 }
 
@@ -539,4 +569,5 @@ int CAT(folio_prefill_attention_, KV_SUFFIX)(const void *q, int64_t q_row_stride
 }
 
 #undef PREFILL_ITEM_FN
+#undef HAS_PREFILL_DP
 #undef ITEM
