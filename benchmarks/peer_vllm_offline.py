@@ -7,7 +7,10 @@ The offline peer of target 1 (issue 4): both engines get W1's 64 prompts as toke
 each, greedy, EOS ignored, prefix caching off (W1 repeats nothing, and repeated runs must not hit a warm cache),
 the same weights (vLLM: the GGUF dequantized to a Hugging Face directory; Folio: the GGUF). Per dtype the two run
 one after the other, --repeats times each, alternating, so that a noisy neighbour on the machine hits both; the
-table shows each side's best and median run and the ratio of the bests. vLLM is set up as in peer_vllm.py (same
+table shows each side's best and median run, the ratio of the bests, and the FLOP ceiling of W1 in that dtype
+(W1's matmul FLOPs over the best 2048^3 GEMM measured at the end of the same run, folio.bench.roofline); the
+last line is issue 4's target 1: best Folio over the best vLLM, whatever the dtypes.
+vLLM is set up as in peer_vllm.py (same
 venv, same environment: VLLM_CPU_KVCACHE_SPACE, VLLM_CPU_OMP_THREADS_BIND over every core, libiomp5 preloaded)
 and its first start torch.compiles the model (1-3 minutes). Results: bench_results/peer_vllm_offline.json.
 """
@@ -117,16 +120,39 @@ def main() -> None:
             runs["folio"] += run_engine(cmd, None, logs / f"folio_offline_{dtype}_{round_index}.log")
             log(f"  vLLM {runs['vllm'][-ns.repeats :]}, Folio {runs['folio'][-ns.repeats :]}")
         results[dtype] = runs
-    print("\n| dtype | vLLM best (median) output tok/s | Folio best (median) | Folio / vLLM (best) |")
-    print("| --- | --- | --- | --- |")
+    ceilings = {dtype: flop_ceiling(dtype) for dtype in results}  # after the engines: a quiet machine
+    columns = ["vLLM best (median) output tok/s", "Folio best (median)", "Folio / vLLM (best)", "FLOP ceiling"]
+    print("\n| dtype | " + " | ".join(columns) + " | Folio / ceiling |")
+    print("| --- | --- | --- | --- | --- | --- |")
     for dtype, runs in results.items():
-        v, f = runs["vllm"], runs["folio"]
+        v, f, c = runs["vllm"], runs["folio"], ceilings[dtype]
         print(
             f"| {dtype} | {max(v):.1f} ({statistics.median(v):.1f}) | {max(f):.1f} ({statistics.median(f):.1f}) "
-            f"| {max(f) / max(v):.2f}x |"
+            f"| {max(f) / max(v):.2f}x | {c['output_tokens_per_second']:.0f} ({c['gflops']:.0f} GFLOP/s) "
+            f"| {100 * max(f) / c['output_tokens_per_second']:.0f}% |"
         )
+    best_peer = max((max(r["vllm"]), d) for d, r in results.items())
+    best_folio = max((max(r["folio"]), d) for d, r in results.items())
+    print(
+        f"\nbest Folio ({best_folio[1]}) / best vLLM ({best_peer[1]}): {best_folio[0]:.1f} / {best_peer[0]:.1f} = "
+        f"{best_folio[0] / best_peer[0]:.2f}x (issue 4 target 1: >= 1.5x)"
+    )
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "peer_vllm_offline.json").write_text(json.dumps(results, indent=2))
+    out = {dtype: {**runs, "flop_ceiling": ceilings[dtype]} for dtype, runs in results.items()}
+    (RESULTS / "peer_vllm_offline.json").write_text(json.dumps(out, indent=2))
+
+
+def flop_ceiling(dtype: str) -> dict[str, float]:
+    """W1's matmul FLOPs over the best 2048^3 GEMM measured now in this dtype (folio.bench.roofline)."""
+    import torch
+
+    from folio.bench.roofline import measure_matmul_flops, workload_ceiling
+    from folio.model.loader import read_model_spec
+
+    prompts = json.loads(W1.read_text())["prompts"]
+    matmul = measure_matmul_flops(dtype=getattr(torch, dtype))
+    ceiling = workload_ceiling(read_model_spec(default_model_path()), [(len(p["ids"]), 128) for p in prompts], matmul)
+    return {"gflops": matmul / 1e9, "output_tokens_per_second": ceiling.output_tokens_per_second}
 
 
 if __name__ == "__main__":

@@ -34,8 +34,8 @@ class ModelFlops:
 
 
 def measure_matmul_flops(size: int = 2048, repeats: int = 8, dtype: torch.dtype = torch.float32) -> float:
-    """Best FLOP/s of a size x size x size GEMM with torch's current thread count, over both CPU GEMMs torch
-    offers (MKL's ``torch.mm`` and oneDNN with a packed weight, which the engine uses) so the ceiling is the
+    """Best FLOP/s of a size x size x size GEMM with torch's current thread count, over every CPU GEMM at hand
+    (MKL's ``torch.mm``, oneDNN with a packed weight, and the engine's own packed GEMM) so the ceiling is the
     machine's, not one library's. On other devices ``torch.mm`` alone."""
     a = torch.randn(size, size, dtype=dtype)
     b = torch.randn(size, size, dtype=dtype)
@@ -43,6 +43,9 @@ def measure_matmul_flops(size: int = 2048, repeats: int = 8, dtype: torch.dtype 
     if can_pack(a.device, dtype):
         packed = pack_weight(b)
         candidates.append(lambda: packed_linear(a, packed, None))
+    if a.device.type == "cpu" and torch.backends.mkldnn.is_available():
+        onednn = torch.ops.mkldnn._reorder_linear_weight(b, size)
+        candidates.append(lambda: torch.ops.mkldnn._linear_pointwise(a, onednn, None, "none", [], ""))
     best = float("inf")
     for gemm in candidates:
         gemm()  # warm-up

@@ -1,0 +1,67 @@
+"""A/B of Folio engine settings on W1 offline, alternating runs in one process so that machine noise hits all.
+
+    .venv/bin/python benchmarks/ab_offline.py --dtype bfloat16 --config eager='{"enforce_eager": true}'
+    .venv/bin/python benchmarks/ab_offline.py --config no_fused_argmax='{"fused_argmax": false}' --repeats 4
+
+Every config is an `LLM(...)` built from the same base (--dtype, prefix caching off: repeated runs must not hit a
+warm cache; 2 GiB of KV each) updated with the config's JSON keywords; "base" (no changes) always runs first.
+The one key that is not an LLM argument, "fused_argmax": false, makes the model decline the LM head's fused
+arg-max so every greedy step computes logits and samples from them. Each round runs W1 (64 prompts, 128 new
+tokens, greedy, EOS ignored) once per config; the table gives every run, the best, and best / base's best.
+Run it on a quiet machine: this VM's memory bandwidth ranged 28-45 GB/s over one session (docs/performance.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from folio import LLM, SamplingParams
+
+W1 = Path(__file__).resolve().parents[2] / "shared" / "workloads" / "w1_prompts.json"
+
+
+def build(dtype: str, changes: dict[str, Any]) -> LLM:
+    changes = dict(changes)
+    fused_argmax = changes.pop("fused_argmax", True)
+    llm = LLM(dtype=dtype, enable_prefix_caching=False, kv_cache_memory_bytes=2 << 30, **changes)
+    if not fused_argmax:
+        model = llm.llm_engine.executor.worker.model
+        model.compute_greedy_token_ids = lambda hidden: None
+    return llm
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--config", action="append", default=[], metavar="NAME=JSON", help="a config to compare")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds (one W1 run per config each)")
+    ns = parser.parse_args()
+    configs: dict[str, dict[str, Any]] = {"base": {}}
+    for item in ns.config:
+        name, _, spec = item.partition("=")
+        configs[name] = json.loads(spec)
+    prompts = [{"prompt_token_ids": p["ids"]} for p in json.loads(W1.read_text())["prompts"]]
+    params = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
+    llms = {name: build(ns.dtype, changes) for name, changes in configs.items()}
+    for llm in llms.values():  # warm-up: kernels built, first-call allocations done
+        llm.generate(prompts[:2], SamplingParams(max_tokens=2), use_tqdm=False)
+    runs: dict[str, list[float]] = {name: [] for name in llms}
+    for _ in range(ns.repeats):
+        for name, llm in llms.items():
+            start = time.perf_counter()
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            elapsed = time.perf_counter() - start
+            runs[name].append(sum(len(o.outputs[0].token_ids) for o in outputs) / elapsed)
+    base_best = max(runs["base"])
+    print(f"W1 offline, {ns.dtype}, output tok/s per run ({ns.repeats} rounds, alternating)")
+    for name, values in runs.items():
+        cells = " ".join(f"{v:6.1f}" for v in values)
+        print(f"  {name:<20} {cells}   best {max(values):6.1f}   best / base {max(values) / base_best:.3f}")
+
+
+if __name__ == "__main__":
+    main()
