@@ -39,13 +39,21 @@ def newest_serve_results(num_prompts: int) -> dict[tuple[str, float], dict[str, 
     return found
 
 
+_SHORT = {"bfloat16": "bf16", "float32": "fp32"}
+
+
+def server_name(label: str) -> str:
+    """The peer scripts label `folio serve` without --dtype flags "folio": it runs float32 (their default)."""
+    return "folio-float32" if label == "folio" else label
+
+
 def offline_rows(transformers: dict[str, Any] | None, vllm: dict[str, Any] | None) -> list[tuple[str, str, float]]:
     """(table label, plot label, output tok/s) of every offline run: Folio and vLLM per dtype (best run of
     peer_vllm_offline.py), transformers' best static batch (peer_transformers.py)."""
     rows = []
     for dtype, runs in (vllm or {}).items():
-        rows.append((f"Folio LLM.generate, {dtype} (offline)", f"folio\noffline {dtype[:4]}", max(runs["folio"])))
-        rows.append((f"vLLM CPU LLM.generate, {dtype} (offline)", f"vllm\noffline {dtype[:4]}", max(runs["vllm"])))
+        rows.append((f"Folio LLM.generate, {dtype} (offline)", f"folio\noffline {_SHORT[dtype]}", max(runs["folio"])))
+        rows.append((f"vLLM CPU LLM.generate, {dtype} (offline)", f"vllm\noffline {_SHORT[dtype]}", max(runs["vllm"])))
     if transformers is not None:
         if vllm is None:
             rows.append(
@@ -91,11 +99,11 @@ def main() -> None:
     for (label, rate), r in sorted(serve.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         how = "saturation, 64 in flight" if math.isinf(rate) else f"Poisson {rate:g} req/s"
         print(
-            f"| {label} server, {how} | {r['output_throughput']:.1f} | {r['p99_ttft_ms']:.0f} | "
+            f"| {server_name(label)} server, {how} | {r['output_throughput']:.1f} | {r['p99_ttft_ms']:.0f} | "
             f"{r['p99_tpot_ms']:.1f} |"
         )
         if math.isinf(rate):
-            bars.append((f"{label}\nserver", r["output_throughput"]))
+            bars.append((f"{server_name(label)}\nserver", r["output_throughput"]))
     lines = ceilings(transformers, vllm)
     for dtype, tps in lines.items():
         print(f"\nFLOP ceiling, {dtype}: {tps:.0f} output tok/s")

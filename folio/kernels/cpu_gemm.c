@@ -17,14 +17,15 @@
  * (8 x 3 FMAs per 3 loads). The weights of a block are read from memory once per 256 rows and reused from L1/L2
  * for every row tile; x rows come from L1.
  *
- * Work split: items (block, chunk of up to 256 rows), block-major, spread statically over the threads, so each
- * thread streams its own share of the weights once. Threads are OpenMP's, in torch's runtime.
+ * Work split: items (chunk of up to 256 rows, block), chunk-major, spread statically over the threads: at a
+ * decode step's M (one chunk) each thread streams its own share of the weights once; in a prefill each thread
+ * keeps its chunks of x in L2 while the layer's weights stream past. Threads are OpenMP's, in torch's runtime.
  */
 #include "cpu_common.h"
 
 #define BLOCK_N 48
 #define TILE_M 8
-#define CHUNK_M 256 /* rows per work item: a block's weights are re-read from memory once per chunk */
+#define CHUNK_M 256 /* rows per work item: a block's weights are re-read once per chunk */
 #define STEP_BYTES (BLOCK_N * 4) /* packed bytes per k (float32) or k pair (bfloat16) */
 #define PREFETCH_BYTES (16 * STEP_BYTES)
 
