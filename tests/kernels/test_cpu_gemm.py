@@ -26,7 +26,16 @@ def _reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> t
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     ("m", "n", "k"),
-    [(1, 48, 64), (3, 7, 32), (8, 100, 96), (9, 960, 576), (64, 576, 1536), (257, 50, 40), (300, 145, 18), (777, 150, 64)],
+    [
+        (1, 48, 64),
+        (3, 7, 32),
+        (8, 100, 96),
+        (9, 960, 576),
+        (64, 576, 1536),
+        (257, 50, 40),
+        (300, 145, 18),
+        (777, 150, 64),
+    ],
 )
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_matches_float64_reference(dtype: torch.dtype, m: int, n: int, k: int, with_bias: bool) -> None:
