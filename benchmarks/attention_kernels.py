@@ -4,7 +4,9 @@
     .venv/bin/python benchmarks/attention_kernels.py --dtype float32
 
 Decode: 64 rows at contexts 110-290 over 30 layers' caches (about 260 MB in bf16, so K/V come from DRAM as in a
-real step), the kernel on a position-major cache ([NB, BS, KV, D]) and on the head-major one the engine allocates.
+real step), the kernel on a position-major cache ([NB, BS, KV, D]) and on the head-major one the engine allocates,
+with each request's blocks consecutive, and scattered over the cache (as a long-running server's free list
+hands them out).
 Prefill: 16 fresh prompts of 20-200 tokens through one layer, the C prefill kernel against torch's SDPA (what
 CpuPagedBackend used before). Prints each figure and the ratio; nothing is asserted.
 """
@@ -21,6 +23,7 @@ import torch
 from folio.attention.backends.cpu_paged import CpuPagedBackend, load_paged_attention_kernel
 from folio.attention.backends.torch_batched import prefill_attention
 from folio.attention.builder import build_attn_metadata
+from folio.attention.metadata import AttnMetadata
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_LAYERS = 9, 3, 64, 16, 30
 
@@ -61,10 +64,14 @@ def bench_decode(backend: CpuPagedBackend, dtype: torch.dtype, repeats: int) -> 
     seq_lens = [rng.randint(110, 290) for _ in range(64)]
     tables = contiguous_tables(seq_lens)
     num_blocks = sum(len(t) for t in tables) + 1
+    shuffled = list(range(num_blocks))
+    rng.shuffle(shuffled)  # a long-running server's free list hands out blocks in no order
+    scattered = build_attn_metadata([1] * 64, seq_lens, [[shuffled[b] for b in t] for t in tables], BLOCK_SIZE)
     attn = build_attn_metadata([1] * 64, seq_lens, tables, BLOCK_SIZE)
     q, k, v = fused_qkv(64, dtype)
     times = {}
-    for layout in ("position-major", "head-major"):
+    for layout in ("position-major", "head-major", "head-major (blocks scattered)"):
+        step_attn = scattered if "scattered" in layout else attn
         if layout == "position-major":
             shape = (2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
             caches = [torch.randn(shape).to(dtype) for _ in range(NUM_LAYERS)]
@@ -72,9 +79,9 @@ def bench_decode(backend: CpuPagedBackend, dtype: torch.dtype, repeats: int) -> 
             shape = (2, num_blocks, NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM)
             caches = [torch.randn(shape).to(dtype).transpose(2, 3) for _ in range(NUM_LAYERS)]
 
-        def step(caches: list[torch.Tensor] = caches) -> None:
+        def step(caches: list[torch.Tensor] = caches, step_attn: AttnMetadata = step_attn) -> None:
             for cache in caches:
-                backend.forward(q, k, v, cache, attn, HEAD_DIM**-0.5)
+                backend.forward(q, k, v, cache, step_attn, HEAD_DIM**-0.5)
 
         times[layout] = best_of(step, repeats)
         kv_bytes = sum(seq_lens) * NUM_KV_HEADS * HEAD_DIM * 2 * caches[0].element_size() * NUM_LAYERS
