@@ -75,6 +75,25 @@ typedef struct {
     int32_t *best_col; /* [M, 16] */
 } Epilogue;
 
+/* The weights a tile pulls toward L2 while it computes: one 64-byte line of the thread's next block every
+ * (every_mask + 1) k steps, from next up to end. A block's row tiles split its successor between them, so the
+ * next block arrives while this one is computed from L2 (docs/performance.md). */
+typedef struct {
+    const char *next, *end;
+    int64_t every_mask;
+} NextBlock;
+
+/* Row tile `tile` of `ntiles`'s share of the next block (`block_bytes` long at `next`, NULL for none). With fewer
+ * than 4 tiles a share is long, so a line goes every step; else every other step leaves the loads room. A lone
+ * tile (M <= 8) asks for nothing: its stream-ahead prefetch already runs into the next block, and more cost
+ * 1-10% there. */
+static inline NextBlock next_block_share(const void *next, int64_t block_bytes, int64_t tile, int64_t ntiles) {
+    if (next == NULL || ntiles < 2) return (NextBlock){NULL, NULL, 0};
+    const int64_t share = ((block_bytes + ntiles - 1) / ntiles + 63) & ~(int64_t)63;
+    const char *start = (const char *)next + share * tile, *block_end = (const char *)next + block_bytes;
+    return (NextBlock){start, start + share < block_end ? start + share : block_end, ntiles < 4 ? 0 : 1};
+}
+
 static inline void store_scalar(const Epilogue *e, int64_t row, int64_t col, float v) {
     if (e->bias != NULL) v += e->bias[col];
     if (e->best_val != NULL) {
@@ -115,7 +134,7 @@ static inline void store16(const Epilogue *e, int64_t row, int64_t col, __m512 a
  * bfloat16) is STEP_FMA; MR is a compile-time constant so the accumulators stay in registers. */
 #define DEFINE_TILE(SUFFIX, T, MR, K_STEPS, STEP_FMA)                                                             \
     static void tile_##SUFFIX##_##MR(const T *x, int64_t lda, const T *wb, int64_t k, const Epilogue *e,          \
-                                     int64_t row0, int64_t col0) {                                               \
+                                     int64_t row0, int64_t col0, NextBlock nb) {                                 \
         __m512 acc[MR][3];                                                                                        \
         _Pragma("GCC unroll 8") for (int i = 0; i < MR; ++i) {                                                   \
             acc[i][0] = acc[i][1] = acc[i][2] = _mm512_setzero_ps();                                              \
@@ -126,6 +145,10 @@ static inline void store16(const Epilogue *e, int64_t row, int64_t col, __m512 a
             _mm_prefetch((const char *)w + PREFETCH_BYTES, _MM_HINT_T0);                                          \
             _mm_prefetch((const char *)w + PREFETCH_BYTES + 64, _MM_HINT_T0);                                     \
             _mm_prefetch((const char *)w + PREFETCH_BYTES + 128, _MM_HINT_T0);                                    \
+            if ((s & nb.every_mask) == 0 && nb.next < nb.end) {                                                  \
+                _mm_prefetch(nb.next, _MM_HINT_T1);                                                               \
+                nb.next += 64;                                                                                    \
+            }                                                                                                     \
             STEP_FMA(MR)                                                                                          \
         }                                                                                                         \
         _Pragma("GCC unroll 8") for (int i = 0; i < MR; ++i) {                                                   \

@@ -18,20 +18,21 @@ static void CAT(tile_scalar_, SUFFIX)(const ELEM_T *x, int64_t lda, const ELEM_T
 #endif
 
 static void CAT(tile_, SUFFIX)(const ELEM_T *x, int64_t lda, const ELEM_T *wb, int64_t k, int64_t rows,
-                               const Epilogue *e, int64_t row0, int64_t col0) {
+                               const Epilogue *e, int64_t row0, int64_t col0, NextBlock nb) {
 #if HAS_TILES
     switch (rows) {
-    case 8: CAT(CAT(tile_, SUFFIX), _8)(x, lda, wb, k, e, row0, col0); return;
-    case 7: CAT(CAT(tile_, SUFFIX), _7)(x, lda, wb, k, e, row0, col0); return;
-    case 6: CAT(CAT(tile_, SUFFIX), _6)(x, lda, wb, k, e, row0, col0); return;
-    case 5: CAT(CAT(tile_, SUFFIX), _5)(x, lda, wb, k, e, row0, col0); return;
-    case 4: CAT(CAT(tile_, SUFFIX), _4)(x, lda, wb, k, e, row0, col0); return;
-    case 3: CAT(CAT(tile_, SUFFIX), _3)(x, lda, wb, k, e, row0, col0); return;
-    case 2: CAT(CAT(tile_, SUFFIX), _2)(x, lda, wb, k, e, row0, col0); return;
-    case 1: CAT(CAT(tile_, SUFFIX), _1)(x, lda, wb, k, e, row0, col0); return;
+    case 8: CAT(CAT(tile_, SUFFIX), _8)(x, lda, wb, k, e, row0, col0, nb); return;
+    case 7: CAT(CAT(tile_, SUFFIX), _7)(x, lda, wb, k, e, row0, col0, nb); return;
+    case 6: CAT(CAT(tile_, SUFFIX), _6)(x, lda, wb, k, e, row0, col0, nb); return;
+    case 5: CAT(CAT(tile_, SUFFIX), _5)(x, lda, wb, k, e, row0, col0, nb); return;
+    case 4: CAT(CAT(tile_, SUFFIX), _4)(x, lda, wb, k, e, row0, col0, nb); return;
+    case 3: CAT(CAT(tile_, SUFFIX), _3)(x, lda, wb, k, e, row0, col0, nb); return;
+    case 2: CAT(CAT(tile_, SUFFIX), _2)(x, lda, wb, k, e, row0, col0, nb); return;
+    case 1: CAT(CAT(tile_, SUFFIX), _1)(x, lda, wb, k, e, row0, col0, nb); return;
     default: return;
     }
 #else
+    (void)nb;
     CAT(tile_scalar_, SUFFIX)(x, lda, wb, k, rows, e, row0, col0);
 #endif
 }
@@ -52,10 +53,14 @@ static void CAT(gemm_body_, SUFFIX)(const ELEM_T *x, int64_t lda, const ELEM_T *
     for (int64_t item = 0; item < blocks * chunks; ++item) {
         const int64_t b = item % blocks, chunk = item / blocks;
         const ELEM_T *wb = packed + b * block_elems;
+        const ELEM_T *next = item + 1 < blocks * chunks ? packed + ((item + 1) % blocks) * block_elems : NULL;
         const int64_t row_end = (chunk + 1) * CHUNK_M < m ? (chunk + 1) * CHUNK_M : m;
-        for (int64_t row = chunk * CHUNK_M; row < row_end; row += TILE_M) {
+        const int64_t ntiles = (row_end - chunk * CHUNK_M + TILE_M - 1) / TILE_M;
+        for (int64_t t = 0; t < ntiles; ++t) {
+            const int64_t row = chunk * CHUNK_M + t * TILE_M;
             const int64_t rows = row_end - row < TILE_M ? row_end - row : TILE_M;
-            CAT(tile_, SUFFIX)(x + row * lda, lda, wb, k, rows, &e, row, b * BLOCK_N);
+            const NextBlock nb = next_block_share(next, block_elems * (int64_t)sizeof(ELEM_T), t, ntiles);
+            CAT(tile_, SUFFIX)(x + row * lda, lda, wb, k, rows, &e, row, b * BLOCK_N, nb);
         }
     }
 }
@@ -88,12 +93,16 @@ int CAT(folio_gemm_argmax_, SUFFIX)(const ELEM_T *x, int64_t lda, const ELEM_T *
         const int64_t tid = omp_get_thread_num();
         const Epilogue e = {NULL, 0, 0, NULL, n, best_val + tid * m * 16, best_col + tid * m * 16};
         const int64_t block_elems = PACKED_K(k) * BLOCK_N;
+        const int64_t ntiles = (m + TILE_M - 1) / TILE_M;
 #pragma omp for schedule(static)
-        for (int64_t b = 0; b < num_blocks(n); ++b)
-            for (int64_t row = 0; row < m; row += TILE_M) {
-                const int64_t rows = m - row < TILE_M ? m - row : TILE_M;
-                CAT(tile_, SUFFIX)(x + row * lda, lda, packed + b * block_elems, k, rows, &e, row, b * BLOCK_N);
+        for (int64_t b = 0; b < num_blocks(n); ++b) {
+            const ELEM_T *next = b + 1 < num_blocks(n) ? packed + (b + 1) * block_elems : NULL;
+            for (int64_t t = 0; t < ntiles; ++t) {
+                const int64_t row = t * TILE_M, rows = m - row < TILE_M ? m - row : TILE_M;
+                const NextBlock nb = next_block_share(next, block_elems * (int64_t)sizeof(ELEM_T), t, ntiles);
+                CAT(tile_, SUFFIX)(x + row * lda, lda, packed + b * block_elems, k, rows, &e, row, b * BLOCK_N, nb);
             }
+        }
     }
     /* every thread's 16 lanes of a row: the largest value, the first column among equals */
     for (int64_t r = 0; r < m; ++r) {
