@@ -193,6 +193,20 @@ static inline __m512 reduce16(const __m512 s[16]) {
 }
 #endif
 
+/* The start of a prefill tile (every kind): returns the longest context among its rows, resets each (row, head)
+ * pair's running max and sum (state[2i], state[2i + 1]) and zeroes its output. */
+static int64_t prefill_tile_begin(const int32_t *ctx_of_row, int64_t rows, int64_t pairs, int64_t head_dim,
+                                  float *out_tile, float *state) {
+    int64_t max_ctx = 0;
+    for (int64_t r = 0; r < rows; ++r) max_ctx = ctx_of_row[r] > max_ctx ? ctx_of_row[r] : max_ctx;
+    for (int64_t i = 0; i < pairs; ++i) {
+        state[2 * i] = -FLT_MAX;
+        state[2 * i + 1] = 0.0f;
+    }
+    memset(out_tile, 0, sizeof(float) * pairs * head_dim);
+    return max_ctx;
+}
+
 /* probs[g][p] = softmax_p(scores[g][p]) in place, for each of the group's query heads */
 static void softmax_rows(float *scores, int64_t group, int64_t ctx) {
     for (int64_t g = 0; g < group; ++g) {

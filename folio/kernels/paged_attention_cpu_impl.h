@@ -336,30 +336,35 @@ int CAT(folio_paged_attention_, KV_SUFFIX)(const void *q, int64_t q_row_stride, 
  * Kt[d][16] and V into Vc[16][d], then each of the tile's G x rows (query head, row) pairs gets 16 scores
  * from head_dim broadcast-FMAs (no horizontal sums) and updates its running max, sum and output (online
  * softmax). The chunk's conversion is shared by up to G x PREFILL_TILE pairs. */
+/* k[j], v[j] = the cache rows of context position c0 + j, j < n (one chunk of a prefill tile). */
+static inline void CAT(chunk_rows_, KV_SUFFIX)(const ITEM *it, int64_t c0, int64_t n, const KV_T **k,
+                                               const KV_T **v) {
+    const int64_t bs = it->block_size;
+    for (int64_t j = 0; j < n; ++j) {
+        const int64_t p = c0 + j;
+        const int64_t off = (int64_t)it->blocks[p / bs] * it->block_stride + (p % bs) * it->pos_stride;
+        k[j] = it->k_cache + off;
+        v[j] = it->v_cache + off;
+    }
+}
+
 #define PREFILL_ITEM_FN CAT(prefill_tile_, KV_SUFFIX)
 
 static void PREFILL_ITEM_FN(
     const ITEM *it, const int64_t D, const float *q_tile, /* [rows][G][D], pre-scaled */
     const int32_t *ctx_of_row, int64_t rows, float *out_tile, /* [rows][G][D] */
     float *kt, float *vc, float *state /* m, l per pair */) {
-    const int64_t G = it->group, bs = it->block_size, pairs = rows * G;
-    int64_t max_ctx = 0;
-    for (int64_t r = 0; r < rows; ++r) max_ctx = ctx_of_row[r] > max_ctx ? ctx_of_row[r] : max_ctx;
-    for (int64_t i = 0; i < pairs; ++i) {
-        state[2 * i] = -FLT_MAX;
-        state[2 * i + 1] = 0.0f;
-    }
-    memset(out_tile, 0, sizeof(float) * pairs * D);
+    const int64_t G = it->group, pairs = rows * G;
+    const int64_t max_ctx = prefill_tile_begin(ctx_of_row, rows, pairs, D, out_tile, state);
     for (int64_t c0 = 0; c0 < max_ctx; c0 += 16) {
         const int64_t n = max_ctx - c0 < 16 ? max_ctx - c0 : 16;
+        const KV_T *krow[16], *vrow[16];
+        CAT(chunk_rows_, KV_SUFFIX)(it, c0, n, krow, vrow);
         for (int64_t j = 0; j < 16; ++j) {
             if (j < n) {
-                const int64_t p = c0 + j;
-                const int64_t off = (int64_t)it->blocks[p / bs] * it->block_stride + (p % bs) * it->pos_stride;
-                const KV_T *k = it->k_cache + off, *v = it->v_cache + off;
                 for (int64_t d = 0; d < D; ++d) {
-                    kt[d * 16 + j] = KV_SCALAR(k[d]);
-                    vc[j * D + d] = KV_SCALAR(v[d]);
+                    kt[d * 16 + j] = KV_SCALAR(krow[j][d]);
+                    vc[j * D + d] = KV_SCALAR(vrow[j][d]);
                 }
             } else {
                 for (int64_t d = 0; d < D; ++d) {
@@ -423,23 +428,12 @@ static void PREFILL_ITEM_FN(
     static void CAT(prefill_tile_c##C##_, KV_SUFFIX)(const ITEM *it, const float *q_tile,                   \
                                                       const int32_t *ctx_of_row, int64_t rows, float *out_tile, \
                                                       float *kt, float *vc, float *state) {                 \
-        const int64_t G = it->group, bs = it->block_size, pairs = rows * G, D = 16 * C;                     \
-        int64_t max_ctx = 0;                                                                                 \
-        for (int64_t r = 0; r < rows; ++r) max_ctx = ctx_of_row[r] > max_ctx ? ctx_of_row[r] : max_ctx;    \
-        for (int64_t i = 0; i < pairs; ++i) {                                                                \
-            state[2 * i] = -FLT_MAX;                                                                         \
-            state[2 * i + 1] = 0.0f;                                                                         \
-        }                                                                                                    \
-        memset(out_tile, 0, sizeof(float) * pairs * D);                                                      \
+        const int64_t G = it->group, pairs = rows * G, D = 16 * C;                                          \
+        const int64_t max_ctx = prefill_tile_begin(ctx_of_row, rows, pairs, D, out_tile, state);            \
         for (int64_t c0 = 0; c0 < max_ctx; c0 += 16) {                                                       \
             const int64_t n = max_ctx - c0 < 16 ? max_ctx - c0 : 16;                                         \
             const KV_T *kp[16], *vp[16];                                                                     \
-            for (int64_t j = 0; j < n; ++j) {                                                                \
-                const int64_t p = c0 + j;                                                                    \
-                const int64_t off = (int64_t)it->blocks[p / bs] * it->block_stride + (p % bs) * it->pos_stride; \
-                kp[j] = it->k_cache + off;                                                                   \
-                vp[j] = it->v_cache + off;                                                                   \
-            }                                                                                                \
+            CAT(chunk_rows_, KV_SUFFIX)(it, c0, n, kp, vp);                                                  \
             for (int c = 0; c < C; ++c) {                                                                    \
                 __m512 r[16];                                                                                \
                 for (int64_t j = 0; j < 16; ++j) {                                                           \

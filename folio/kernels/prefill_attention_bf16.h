@@ -18,25 +18,14 @@
     static void prefill_tile_dp_c##C(const ITEM *it, const uint16_t *q_tile, /* [rows][G][D] raw bf16 */       \
                                      float scale, const int32_t *ctx_of_row, int64_t rows,                      \
                                      float *out_tile, /* [rows][G][D] */ float *state) {                       \
-        const int64_t G = it->group, bs = it->block_size, pairs = rows * G, D = 16 * C;                        \
-        int64_t max_ctx = 0;                                                                                    \
-        for (int64_t r = 0; r < rows; ++r) max_ctx = ctx_of_row[r] > max_ctx ? ctx_of_row[r] : max_ctx;       \
-        for (int64_t i = 0; i < pairs; ++i) {                                                                   \
-            state[2 * i] = -FLT_MAX;                                                                            \
-            state[2 * i + 1] = 0.0f;                                                                            \
-        }                                                                                                       \
-        memset(out_tile, 0, sizeof(float) * pairs * D);                                                         \
+        const int64_t G = it->group, pairs = rows * G, D = 16 * C;                                             \
+        const int64_t max_ctx = prefill_tile_begin(ctx_of_row, rows, pairs, D, out_tile, state);               \
         __m512i kp[8 * C], vp[8][C];                                                                            \
         const __m512i zero = _mm512_setzero_si512();                                                            \
         for (int64_t c0 = 0; c0 < max_ctx; c0 += 16) {                                                          \
             const int64_t n = max_ctx - c0 < 16 ? max_ctx - c0 : 16;                                            \
             const uint16_t *krow[16], *vrow[16];                                                                \
-            for (int64_t j = 0; j < n; ++j) {                                                                   \
-                const int64_t p = c0 + j;                                                                       \
-                const int64_t off = (int64_t)it->blocks[p / bs] * it->block_stride + (p % bs) * it->pos_stride; \
-                krow[j] = it->k_cache + off;                                                                    \
-                vrow[j] = it->v_cache + off;                                                                    \
-            }                                                                                                   \
+            chunk_rows_bf16(it, c0, n, krow, vrow);                                                             \
             for (int h = 0; h < C / 2; ++h) { /* dims 32h .. 32h + 31 of each row: 16 pairs */                   \
                 __m512 r[16];                                                                                   \
                 for (int64_t j = 0; j < 16; ++j)                                                                \
