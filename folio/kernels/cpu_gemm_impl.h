@@ -57,7 +57,8 @@ static void CAT(gemm_body_, SUFFIX)(const ELEM_T *x, int64_t lda, const ELEM_T *
         const int64_t b = item % blocks, chunk = item / blocks;
         const ELEM_T *wb = packed + b * block_elems;
         const ELEM_T *next = item + 1 < blocks * chunks ? packed + ((item + 1) % blocks) * block_elems : NULL;
-        const int64_t row_start = chunk * chunk_rows, row_end = row_start + chunk_rows < m ? row_start + chunk_rows : m;
+        const int64_t row_start = chunk * chunk_rows;
+        const int64_t row_end = row_start + chunk_rows < m ? row_start + chunk_rows : m;
         const int64_t ntiles = row_end > row_start ? (row_end - row_start + TILE_M - 1) / TILE_M : 0;
         for (int64_t t = 0; t < ntiles; ++t) {
             const int64_t row = row_start + t * TILE_M;

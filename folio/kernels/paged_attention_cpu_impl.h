@@ -128,7 +128,7 @@ static inline __attribute__((always_inline)) void CAT(decode_row_avx512_, KV_SUF
 #define PREFETCH_ROWS(cache, block, kh)                                                                        \
     CAT(prefetch_block_head_, KV_SUFFIX)((cache) + it->blocks[block] * it->block_stride + (kh) * head_stride, \
                                          ctx - (block) * bs < bs ? ctx - (block) * bs : bs, pos_stride, D)
-    const int64_t num_blocks = (ctx + bs - 1) / bs;
+    const int64_t row_blocks = (ctx + bs - 1) / bs;
     for (int64_t kh = kh0; kh < kh1; ++kh) PREFETCH_ROWS(it->k_cache, 0, kh);
     /* 1. scores */
     for (int64_t start = 0; start < ctx; start += bs) {
@@ -136,7 +136,7 @@ static inline __attribute__((always_inline)) void CAT(decode_row_avx512_, KV_SUF
         const int64_t n_block = ctx - start < bs ? ctx - start : bs;
         for (int64_t kh = kh0; kh < kh1; ++kh) {
             const KV_T *kb = it->k_cache + block_offset + kh * head_stride;
-            if (start / bs + 1 < num_blocks)
+            if (start / bs + 1 < row_blocks)
                 PREFETCH_ROWS(it->k_cache, start / bs + 1, kh);
             else
                 PREFETCH_ROWS(it->v_cache, 0, kh);
@@ -181,7 +181,7 @@ static inline __attribute__((always_inline)) void CAT(decode_row_avx512_, KV_SUF
         const int64_t n_block = ctx - start < bs ? ctx - start : bs;
         for (int64_t kh = kh0; kh < kh1; ++kh) {
             const KV_T *vb = it->v_cache + block_offset + kh * head_stride;
-            if (start / bs + 1 < num_blocks) PREFETCH_ROWS(it->v_cache, start / bs + 1, kh);
+            if (start / bs + 1 < row_blocks) PREFETCH_ROWS(it->v_cache, start / bs + 1, kh);
             const float *probs = scores + (kh - kh0) * G * ctx16 + start;
             float *acc = out + kh * G * D;
             __m512 a[6][8];
@@ -330,12 +330,6 @@ int CAT(folio_paged_attention_, KV_SUFFIX)(const void *q, int64_t q_row_stride, 
     return 0;
 }
 
-/* ---- Multi-token queries (prefills, prefill chunks): flash-style, a tile of query rows at a time ----------
- * One work item = one tile of up to PREFILL_TILE consecutive query rows of one segment x one KV head. The tile
- * walks the context 16 positions at a time: those K rows are converted once into a transposed float32 chunk
- * Kt[d][16] and V into Vc[16][d], then each of the tile's G x rows (query head, row) pairs gets 16 scores
- * from head_dim broadcast-FMAs (no horizontal sums) and updates its running max, sum and output (online
- * softmax). The chunk's conversion is shared by up to G x PREFILL_TILE pairs. */
 /* k[j], v[j] = the cache rows of context position c0 + j, j < n (one chunk of a prefill tile). */
 static inline void CAT(chunk_rows_, KV_SUFFIX)(const ITEM *it, int64_t c0, int64_t n, const KV_T **k,
                                                const KV_T **v) {
@@ -348,6 +342,12 @@ static inline void CAT(chunk_rows_, KV_SUFFIX)(const ITEM *it, int64_t c0, int64
     }
 }
 
+/* ---- Multi-token queries (prefills, prefill chunks): flash-style, a tile of query rows at a time ----------
+ * One work item = one tile of up to PREFILL_TILE consecutive query rows of one segment x one KV head. The tile
+ * walks the context 16 positions at a time: those K rows are converted once into a transposed float32 chunk
+ * Kt[d][16] and V into Vc[16][d], then each of the tile's G x rows (query head, row) pairs gets 16 scores
+ * from head_dim broadcast-FMAs (no horizontal sums) and updates its running max, sum and output (online
+ * softmax). The chunk's conversion is shared by up to G x PREFILL_TILE pairs. */
 #define PREFILL_ITEM_FN CAT(prefill_tile_, KV_SUFFIX)
 
 static void PREFILL_ITEM_FN(
