@@ -16,12 +16,10 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from pathlib import Path
 from typing import Any
 
 from folio import LLM, SamplingParams
-
-W1 = Path(__file__).resolve().parents[2] / "shared" / "workloads" / "w1_prompts.json"
+from folio.bench.datasets import DEFAULT_W1_PATH, load_w1
 
 
 def build(dtype: str, changes: dict[str, Any]) -> LLM:
@@ -44,7 +42,7 @@ def main() -> None:
     for item in ns.config:
         name, _, spec = item.partition("=")
         configs[name] = json.loads(spec)
-    prompts = [{"prompt_token_ids": p["ids"]} for p in json.loads(W1.read_text())["prompts"]]
+    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in load_w1(str(DEFAULT_W1_PATH), 64, 128)]
     params = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
     llms = {name: build(ns.dtype, changes) for name, changes in configs.items()}
     for llm in llms.values():  # warm-up: kernels built, first-call allocations done

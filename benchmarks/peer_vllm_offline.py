@@ -146,12 +146,13 @@ def flop_ceiling(dtype: str) -> dict[str, float]:
     """W1's matmul FLOPs over the best 2048^3 GEMM measured now in this dtype (folio.bench.roofline)."""
     import torch
 
+    from folio.bench.datasets import load_w1
     from folio.bench.roofline import measure_matmul_flops, workload_ceiling
     from folio.model.loader import read_model_spec
 
-    prompts = json.loads(W1.read_text())["prompts"]
+    requests = [(r.prompt_len, r.output_len) for r in load_w1(str(W1), 64, 128)]
     matmul = measure_matmul_flops(dtype=getattr(torch, dtype))
-    ceiling = workload_ceiling(read_model_spec(default_model_path()), [(len(p["ids"]), 128) for p in prompts], matmul)
+    ceiling = workload_ceiling(read_model_spec(default_model_path()), requests, matmul)
     return {"gflops": matmul / 1e9, "output_tokens_per_second": ceiling.output_tokens_per_second}
 
 

@@ -14,14 +14,11 @@ fixed batch; this is the whole workload. Timing costs a clock read per phase per
 from __future__ import annotations
 
 import argparse
-import json
 import time
-from pathlib import Path
 
 from folio import LLM, SamplingParams
+from folio.bench.datasets import DEFAULT_W1_PATH, load_w1
 from folio.model.cpu_fused import PHASES
-
-W1 = Path(__file__).resolve().parents[2] / "shared" / "workloads" / "w1_prompts.json"
 
 
 def main() -> None:
@@ -29,7 +26,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--repeats", type=int, default=2, help="timed W1 runs (the last one is shown in full)")
     ns = parser.parse_args()
-    prompts = [{"prompt_token_ids": p["ids"]} for p in json.loads(W1.read_text())["prompts"]]
+    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in load_w1(str(DEFAULT_W1_PATH), 64, 128)]
     llm = LLM(dtype=ns.dtype, enable_prefix_caching=False, kv_cache_memory_bytes=2 << 30)
     fused = llm.llm_engine.executor.worker.model.model.fused_cpu
     if fused is None:
