@@ -11,7 +11,7 @@ int CAT(folio_llama_forward_, SUFFIX)(const LlamaModelParams *m, const LlamaStep
     int64_t max_ctx = 1;
     for (int64_t i = 0; i < s->num_rows; ++i) max_ctx = s->row_ctx[i] > max_ctx ? s->row_ctx[i] : max_ctx;
     const int64_t per_thread = attn_scratch_floats(m->num_heads, m->num_kv_heads, D, max_ctx);
-    float *arena = malloc(sizeof(float) * per_thread * s->num_threads);
+    float *arena = attn_arena(per_thread, s->num_threads);
     if (arena == NULL || prefill_plan_tiles(&prefill) != 0) {
         free(arena);
         prefill_free_tiles(&prefill);

@@ -85,35 +85,53 @@ static void prefill_free_tiles(PrefillSegs *p) {
     p->tile_seg = p->tile_first = NULL;
 }
 
+/* context positions per block of the bfloat16 dot-product prefill tile (prefill_attention_bf16.h) */
+#define DP_BLOCK 128
+
 /* One thread's scratch for both bodies, carved out of one arena (so a whole step allocates once). */
 typedef struct {
-    float *scores;           /* decode: [H, max_ctx rounded up to 16] */
-    float *acc;              /* decode, plain-C path: [G, D] */
-    float *q_row, *out_row;  /* decode: [H, D] */
+    float *scores;            /* decode: [H, max_ctx rounded up to 16] */
+    float *acc;               /* decode, plain-C path: [G, D] */
+    float *q_row, *out_row;   /* decode: [H, D] */
     float *q_tile, *out_tile; /* prefill: [PREFILL_TILE, G, D] */
-    float *kt, *vc;          /* prefill: [16, D] each */
-    float *state;            /* prefill: [PREFILL_TILE, G, 2] */
+    float *kt, *vc;           /* prefill, float32 maths: [16, D] each */
+    float *state;             /* prefill: [PREFILL_TILE, G, 2] */
+    /* prefill, bf16 dot-product tile: a context block's K and V rearranged ([DP_BLOCK, D / 2] 32-bit pairs
+     * each), its scores [PREFILL_TILE G, DP_BLOCK], probabilities as bf16 pairs [PREFILL_TILE G, DP_BLOCK / 2]
+     * and each pair's rescale factor [PREFILL_TILE G] */
+    int32_t *kp, *vp, *probs;
+    float *block_scores, *rescale;
 } AttnScratch;
 
-static int64_t attn_scratch_floats(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t max_ctx) {
+/* Points s's regions into base (each on a cache line: the AVX-512 loads of kp / vp are whole lines), or with
+ * base NULL only measures them. Returns the floats one thread's scratch takes. */
+static int64_t attn_scratch_carve(AttnScratch *s, float *base, int64_t num_heads, int64_t num_kv_heads,
+                                  int64_t head_dim, int64_t max_ctx) {
     const int64_t group = num_heads / num_kv_heads, ctx16 = (max_ctx + 15) / 16 * 16;
-    const int64_t floats = num_heads * ctx16 + group * head_dim + 2 * num_heads * head_dim +
-                           2 * PREFILL_TILE * group * head_dim + 2 * 16 * head_dim + 2 * PREFILL_TILE * group;
-    return (floats + 15) / 16 * 16; /* each thread's part starts on a cache line */
+    const int64_t tile_pairs = PREFILL_TILE * group;
+    float **regions[] = {&s->scores, &s->acc, &s->q_row, &s->out_row, &s->q_tile, &s->out_tile, &s->kt, &s->vc,
+                         &s->state, (float **)&s->kp, (float **)&s->vp, (float **)&s->probs, &s->block_scores,
+                         &s->rescale};
+    const int64_t sizes[] = {num_heads * ctx16, group * head_dim, num_heads * head_dim, num_heads * head_dim,
+                             tile_pairs * head_dim, tile_pairs * head_dim, 16 * head_dim, 16 * head_dim,
+                             2 * tile_pairs, DP_BLOCK * head_dim / 2, DP_BLOCK * head_dim / 2,
+                             tile_pairs * DP_BLOCK / 2, tile_pairs * DP_BLOCK, tile_pairs};
+    int64_t offset = 0;
+    for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; ++i) {
+        if (base != NULL) *regions[i] = base + offset;
+        offset += (sizes[i] + 15) / 16 * 16;
+    }
+    return offset;
 }
 
-static void attn_scratch_carve(AttnScratch *s, float *base, int64_t num_heads, int64_t num_kv_heads,
-                               int64_t head_dim, int64_t max_ctx) {
-    const int64_t group = num_heads / num_kv_heads, ctx16 = (max_ctx + 15) / 16 * 16;
-    s->scores = base;
-    s->acc = s->scores + num_heads * ctx16;
-    s->q_row = s->acc + group * head_dim;
-    s->out_row = s->q_row + num_heads * head_dim;
-    s->q_tile = s->out_row + num_heads * head_dim;
-    s->out_tile = s->q_tile + PREFILL_TILE * group * head_dim;
-    s->kt = s->out_tile + PREFILL_TILE * group * head_dim;
-    s->vc = s->kt + 16 * head_dim;
-    s->state = s->vc + 16 * head_dim;
+static int64_t attn_scratch_floats(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t max_ctx) {
+    AttnScratch unused;
+    return attn_scratch_carve(&unused, NULL, num_heads, num_kv_heads, head_dim, max_ctx);
+}
+
+/* The arena of a call's threads: per_thread floats each, on a cache line */
+static float *attn_arena(int64_t per_thread, int num_threads) {
+    return aligned_alloc(64, sizeof(float) * (size_t)(per_thread * num_threads));
 }
 
 /* dst[0..n) = src[offset..offset+n) as float32, src float32 or (is_bf16) bfloat16 */

@@ -317,7 +317,7 @@ int CAT(folio_paged_attention_, KV_SUFFIX)(const void *q, int64_t q_row_stride, 
     int64_t max_ctx = 1;
     for (int64_t i = 0; i < num_rows; ++i) max_ctx = row_ctx[i] > max_ctx ? row_ctx[i] : max_ctx;
     const int64_t per_thread = attn_scratch_floats(num_heads, num_kv_heads, head_dim, max_ctx);
-    float *arena = malloc(sizeof(float) * per_thread * num_threads);
+    float *arena = attn_arena(per_thread, num_threads);
     if (arena == NULL) return -1;
 #pragma omp parallel num_threads(num_threads)
     {
@@ -553,9 +553,9 @@ static void CAT(prefill_body_, KV_SUFFIX)(const PagedArgs *a, const PrefillSegs 
                 memcpy(q_tile + r * pair_size, (const uint16_t *)a->q + (first_row + r) * a->q_row_stride + kv_head * pair_size,
                        sizeof(uint16_t) * pair_size);
             if (head_dim == 64)
-                prefill_tile_dp_c4(&it, q_tile, a->scale, ctx_of_row, rows, scratch->out_tile, scratch->state);
+                prefill_tile_dp_c4(&it, q_tile, a->scale, ctx_of_row, rows, scratch->out_tile, scratch->state, scratch);
             else
-                prefill_tile_dp_c8(&it, q_tile, a->scale, ctx_of_row, rows, scratch->out_tile, scratch->state);
+                prefill_tile_dp_c8(&it, q_tile, a->scale, ctx_of_row, rows, scratch->out_tile, scratch->state, scratch);
         } else
 #endif
             CAT(prefill_tile_f32_math_, KV_SUFFIX)(a, &it, first_row, kv_head * pair_size, ctx_of_row, rows, scratch);
@@ -579,7 +579,7 @@ int CAT(folio_prefill_attention_, KV_SUFFIX)(const void *q, int64_t q_row_stride
                          pos_stride, block_size, block_table, bt_stride, num_heads, num_kv_heads, head_dim, scale};
     PrefillSegs p = {seg_req, seg_row, seg_ctx, seg_len, num_segs, NULL, NULL, 0};
     const int64_t per_thread = attn_scratch_floats(num_heads, num_kv_heads, head_dim, 1);
-    float *arena = malloc(sizeof(float) * per_thread * num_threads);
+    float *arena = attn_arena(per_thread, num_threads);
     if (arena == NULL || prefill_plan_tiles(&p) != 0) {
         free(arena);
         return -1;

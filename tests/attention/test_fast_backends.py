@@ -154,16 +154,20 @@ def test_kernel_backend_rejects_other_dtypes() -> None:
         backend.forward(q, kv, kv, torch.zeros(2, 1, 4, 2, 8, dtype=torch.float16), attn, 1.0)
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(12))
 def test_kernel_with_bfloat16_cache(seed: int) -> None:
     """A bfloat16 model: bf16 queries and cache; the oracle runs in float32 on the same (bf16-rounded) values. The
     kernel's sums are float32; what differs is the output's final rounding to bf16 and, in multi-token queries
-    (the AVX512-BF16 dot-product tile), the softmax weights rounded to bf16 before they multiply V."""
+    (the AVX512-BF16 dot-product tile), the softmax weights rounded to bf16 before they multiply V. Seeds 6-11
+    reach past the tile's 128-position context blocks (prompts and chunks of up to 400), with group sizes 1-7 so
+    that every remainder of its pair blocks runs, in both cache layouts."""
     rng = random.Random(seed)
-    seq_lens = [rng.randint(1, 90) for _ in range(rng.randint(1, 8))]
+    long = seed >= 6
+    seq_lens = [rng.randint(100, 400) if long else rng.randint(1, 90) for _ in range(rng.randint(1, 8))]
     query_lens = [rng.choice([1, 1, s, rng.randint(0, s)]) for s in seq_lens]
-    block_size, (num_heads, num_kv_heads) = rng.choice([4, 16]), rng.choice([(9, 3), (6, 2)])
-    head_dim = 128 if seed >= 4 else 64
+    block_size = rng.choice([4, 16])
+    num_heads, num_kv_heads = rng.choice([(9, 3), (6, 2), (8, 2), (7, 7), (14, 2)] if long else [(9, 3), (6, 2)])
+    head_dim = 128 if seed % 6 >= 4 else 64
     gen = torch.Generator().manual_seed(seed)
     num_blocks = sum(-(-s // block_size) for s in seq_lens) + 2
     tables, next_block = [], 0
@@ -183,6 +187,10 @@ def test_kernel_with_bfloat16_cache(seed: int) -> None:
     ref_cache = kv_cache.float()
     expected = TorchReferenceBackend().forward(query.float(), key.float(), value.float(), ref_cache, attn, scale)
     fast_cache = kv_cache.clone()
+    if seed % 3 == 0:  # head-major storage, as the worker allocates it
+        fast_cache = torch.empty(2, num_blocks, num_kv_heads, block_size, head_dim, dtype=torch.bfloat16)
+        fast_cache = fast_cache.transpose(2, 3)
+        fast_cache.copy_(kv_cache)
     out = _make_backend("cpu_paged").forward(query, key, value, fast_cache, attn, scale)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), expected, rtol=1e-2, atol=1e-2)
