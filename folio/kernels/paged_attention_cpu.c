@@ -85,7 +85,7 @@ static void prefill_free_tiles(PrefillSegs *p) {
     p->tile_seg = p->tile_first = NULL;
 }
 
-/* context positions per block of the bfloat16 dot-product prefill tile (prefill_attention_bf16.h) */
+/* context positions per block of the AVX-512 prefill tile (prefill_attention_blocks.h) */
 #define DP_BLOCK 128
 
 /* One thread's scratch for both bodies, carved out of one arena (so a whole step allocates once). */
@@ -94,11 +94,11 @@ typedef struct {
     float *acc;               /* decode, plain-C path: [G, D] */
     float *q_row, *out_row;   /* decode: [H, D] */
     float *q_tile, *out_tile; /* prefill: [PREFILL_TILE, G, D] */
-    float *kt, *vc;           /* prefill, float32 maths: [16, D] each */
+    float *kt, *vc;           /* prefill, plain-C tile: [16, D] each */
     float *state;             /* prefill: [PREFILL_TILE, G, 2] */
-    /* prefill, bf16 dot-product tile: a context block's K and V rearranged ([DP_BLOCK, D / 2] 32-bit pairs
-     * each), its scores [PREFILL_TILE G, DP_BLOCK], probabilities as bf16 pairs [PREFILL_TILE G, DP_BLOCK / 2]
-     * and each pair's rescale factor [PREFILL_TILE G] */
+    /* prefill, AVX-512 block tile: a context block's K and V rearranged (up to [DP_BLOCK, D] 32-bit words
+     * each), its scores [PREFILL_TILE G, DP_BLOCK], probabilities (up to [PREFILL_TILE G, DP_BLOCK] words) and
+     * each pair's rescale factor [PREFILL_TILE G] */
     int32_t *kp, *vp, *probs;
     float *block_scores, *rescale;
 } AttnScratch;
@@ -114,8 +114,8 @@ static int64_t attn_scratch_carve(AttnScratch *s, float *base, int64_t num_heads
                          &s->rescale};
     const int64_t sizes[] = {num_heads * ctx16, group * head_dim, num_heads * head_dim, num_heads * head_dim,
                              tile_pairs * head_dim, tile_pairs * head_dim, 16 * head_dim, 16 * head_dim,
-                             2 * tile_pairs, DP_BLOCK * head_dim / 2, DP_BLOCK * head_dim / 2,
-                             tile_pairs * DP_BLOCK / 2, tile_pairs * DP_BLOCK, tile_pairs};
+                             2 * tile_pairs, DP_BLOCK * head_dim, DP_BLOCK * head_dim, tile_pairs * DP_BLOCK,
+                             tile_pairs * DP_BLOCK, tile_pairs};
     int64_t offset = 0;
     for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; ++i) {
         if (base != NULL) *regions[i] = base + offset;

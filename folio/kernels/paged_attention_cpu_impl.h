@@ -421,117 +421,33 @@ static void PREFILL_ITEM_FN(
 }
 
 #ifdef __AVX512F__
-/* The same tile for head_dim = 16 C with AVX-512: the chunk's K rows are transposed in registers (16 x 16
- * blocks), each pair's 16 scores come from head_dim broadcast-FMAs over 4 independent accumulators, and the
- * pair's C output vectors stay in registers through the chunk's 16 V rows. */
-#define DEFINE_PREFILL_AVX512(C)                                                                             \
-    static void CAT(prefill_tile_c##C##_, KV_SUFFIX)(const ITEM *it, const float *q_tile,                   \
-                                                      const int32_t *ctx_of_row, int64_t rows, float *out_tile, \
-                                                      float *kt, float *vc, float *state) {                 \
-        const int64_t G = it->group, pairs = rows * G, D = 16 * C;                                          \
-        const int64_t max_ctx = prefill_tile_begin(ctx_of_row, rows, pairs, D, out_tile, state);            \
-        for (int64_t c0 = 0; c0 < max_ctx; c0 += 16) {                                                       \
-            const int64_t n = max_ctx - c0 < 16 ? max_ctx - c0 : 16;                                         \
-            const KV_T *kp[16], *vp[16];                                                                     \
-            CAT(chunk_rows_, KV_SUFFIX)(it, c0, n, kp, vp);                                                  \
-            for (int c = 0; c < C; ++c) {                                                                    \
-                __m512 r[16];                                                                                \
-                for (int64_t j = 0; j < 16; ++j) {                                                           \
-                    r[j] = j < n ? KV_LOAD16(kp[j] + c * 16) : _mm512_setzero_ps();                          \
-                    _mm512_storeu_ps(vc + j * D + c * 16, j < n ? KV_LOAD16(vp[j] + c * 16) : _mm512_setzero_ps()); \
-                }                                                                                            \
-                transpose16(r);                                                                              \
-                for (int i = 0; i < 16; ++i) _mm512_storeu_ps(kt + (c * 16 + i) * 16, r[i]);                 \
-            }                                                                                                \
-            for (int64_t row = 0; row < rows; ++row) {                                                       \
-                const int64_t visible = ctx_of_row[row] - c0;                                                \
-                if (visible <= 0) continue;                                                                  \
-                const int64_t used = visible < 16 ? visible : 16;                                            \
-                const __mmask16 mask = (__mmask16)(used == 16 ? 0xFFFFu : (1u << used) - 1u);               \
-                for (int64_t g = 0; g < G; ++g) {                                                            \
-                    const int64_t pair = row * G + g;                                                        \
-                    const float *qp = q_tile + pair * D;                                                     \
-                    __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;                              \
-                    for (int d = 0; d < D; d += 4) {                                                         \
-                        s0 = _mm512_fmadd_ps(_mm512_set1_ps(qp[d]), _mm512_loadu_ps(kt + d * 16), s0);       \
-                        s1 = _mm512_fmadd_ps(_mm512_set1_ps(qp[d + 1]), _mm512_loadu_ps(kt + (d + 1) * 16), s1); \
-                        s2 = _mm512_fmadd_ps(_mm512_set1_ps(qp[d + 2]), _mm512_loadu_ps(kt + (d + 2) * 16), s2); \
-                        s3 = _mm512_fmadd_ps(_mm512_set1_ps(qp[d + 3]), _mm512_loadu_ps(kt + (d + 3) * 16), s3); \
-                    }                                                                                        \
-                    __m512 sc = _mm512_add_ps(_mm512_add_ps(s0, s1), _mm512_add_ps(s2, s3));                 \
-                    sc = _mm512_mask_mov_ps(_mm512_set1_ps(-FLT_MAX), mask, sc);                             \
-                    const float chunk_max = _mm512_reduce_max_ps(sc);                                        \
-                    const float m_old = state[2 * pair];                                                     \
-                    const float m_new = chunk_max > m_old ? chunk_max : m_old;                               \
-                    const float rescale = expf(m_old - m_new);                                               \
-                    float p[16];                                                                             \
-                    _mm512_storeu_ps(p, _mm512_sub_ps(sc, _mm512_set1_ps(m_new)));                           \
-                    _Pragma("omp simd") for (int j = 0; j < 16; ++j) p[j] = expf(p[j]); /* libmvec, one call */ \
-                    const __m512 probs = _mm512_maskz_mov_ps(mask, _mm512_loadu_ps(p));                      \
-                    _mm512_storeu_ps(p, probs);                                                              \
-                    state[2 * pair] = m_new;                                                                 \
-                    state[2 * pair + 1] = state[2 * pair + 1] * rescale + _mm512_reduce_add_ps(probs);       \
-                    float *o = out_tile + pair * D;                                                          \
-                    __m512 acc[C];                                                                           \
-                    for (int c = 0; c < C; ++c) acc[c] = _mm512_mul_ps(_mm512_loadu_ps(o + c * 16), _mm512_set1_ps(rescale)); \
-                    for (int64_t j = 0; j < used; ++j) {                                                     \
-                        const __m512 pj = _mm512_set1_ps(p[j]);                                              \
-                        for (int c = 0; c < C; ++c)                                                          \
-                            acc[c] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vc + j * D + c * 16), acc[c]);      \
-                    }                                                                                        \
-                    for (int c = 0; c < C; ++c) _mm512_storeu_ps(o + c * 16, acc[c]);                        \
-                }                                                                                            \
-            }                                                                                                \
-        }                                                                                                    \
-        for (int64_t i = 0; i < pairs; ++i) {                                                                \
-            const __m512 inv = _mm512_set1_ps(1.0f / state[2 * i + 1]);                                      \
-            for (int c = 0; c < C; ++c)                                                                      \
-                _mm512_storeu_ps(out_tile + i * D + c * 16, _mm512_mul_ps(_mm512_loadu_ps(out_tile + i * D + c * 16), inv)); \
-        }                                                                                                    \
-    }
-
-DEFINE_PREFILL_AVX512(4)
-DEFINE_PREFILL_AVX512(8)
-#undef DEFINE_PREFILL_AVX512
-#if KV_IS_BF16 && defined(__AVX512BF16__)
-#define HAS_PREFILL_DP 1
-#include "prefill_attention_bf16.h"
-#else
-#define HAS_PREFILL_DP 0
-#endif
-#else
-#define HAS_PREFILL_DP 0
+#include "prefill_attention_blocks.h"
 #endif
 
-/* One prefill tile with float32 maths (any cache type, any head_dim): q rows converted and pre-scaled, then the
- * AVX-512 tile for head_dim 64 / 128 or the plain loops. */
+/* One prefill tile with float32 maths (any cache type, any head_dim): q rows converted, then the AVX-512 block
+ * tile for head_dim 64 / 128 or the plain loops (which want q pre-scaled). */
 static void CAT(prefill_tile_f32_math_, KV_SUFFIX)(const PagedArgs *a, const ITEM *it, int64_t first_row,
                                                    int64_t q_offset, const int32_t *ctx_of_row, int64_t rows,
                                                    const AttnScratch *scratch) {
     const int64_t pair_size = it->group * it->head_dim;
-    for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t r = 0; r < rows; ++r)
         load_as_f32(a->q, a->q_bf16, (first_row + r) * a->q_row_stride + q_offset, pair_size,
                     scratch->q_tile + r * pair_size);
-        for (int64_t i = 0; i < pair_size; ++i) scratch->q_tile[r * pair_size + i] *= a->scale;
-    }
 #ifdef __AVX512F__
-    if (it->head_dim == 64) {
-        CAT(prefill_tile_c4_, KV_SUFFIX)(it, scratch->q_tile, ctx_of_row, rows, scratch->out_tile, scratch->kt,
-                                         scratch->vc, scratch->state);
-        return;
-    }
-    if (it->head_dim == 128) {
-        CAT(prefill_tile_c8_, KV_SUFFIX)(it, scratch->q_tile, ctx_of_row, rows, scratch->out_tile, scratch->kt,
-                                         scratch->vc, scratch->state);
+    if (it->head_dim == 64 || it->head_dim == 128) {
+        (it->head_dim == 64 ? CAT(prefill_tile_c4_dp0_, KV_SUFFIX) : CAT(prefill_tile_c8_dp0_, KV_SUFFIX))(
+            it, scratch->q_tile, a->scale, ctx_of_row, rows, scratch->out_tile, scratch->state, scratch);
         return;
     }
 #endif
+    for (int64_t i = 0; i < rows * pair_size; ++i) scratch->q_tile[i] *= a->scale;
     PREFILL_ITEM_FN(it, it->head_dim, scratch->q_tile, ctx_of_row, rows, scratch->out_tile, scratch->kt, scratch->vc,
                     scratch->state);
 }
 
 /* The prefill tiles of a step (see PrefillSegs), one work item per (tile, KV head): bf16 queries on a bf16 cache
- * take the dot-product tile (prefill_attention_bf16.h) where the CPU has AVX512-BF16, the rest float32 maths. */
+ * take the dot-product block tile (prefill_attention_blocks.h) where the CPU has AVX512-BF16, the rest float32
+ * maths. */
 static void CAT(prefill_body_, KV_SUFFIX)(const PagedArgs *a, const PrefillSegs *p, const AttnScratch *scratch) {
     const int64_t group = a->num_heads / a->num_kv_heads, head_dim = a->head_dim, pair_size = group * head_dim;
     const int64_t num_items = p->num_tiles * a->num_kv_heads;
@@ -546,16 +462,14 @@ static void CAT(prefill_body_, KV_SUFFIX)(const PagedArgs *a, const PrefillSegs 
                          (const KV_T *)a->v_cache + kv_head * a->head_stride,
                          a->block_table + (int64_t)p->seg_req[s] * a->bt_stride, 0, group, head_dim, a->block_size,
                          a->pos_stride, a->block_stride, a->scale};
-#if HAS_PREFILL_DP
+#if KV_IS_BF16 && defined(__AVX512BF16__)
         if (a->q_bf16 && (head_dim == 64 || head_dim == 128)) {
             uint16_t *q_tile = (uint16_t *)scratch->q_tile; /* raw bf16 rows: [rows][G][D] */
             for (int64_t r = 0; r < rows; ++r)
                 memcpy(q_tile + r * pair_size, (const uint16_t *)a->q + (first_row + r) * a->q_row_stride + kv_head * pair_size,
                        sizeof(uint16_t) * pair_size);
-            if (head_dim == 64)
-                prefill_tile_dp_c4(&it, q_tile, a->scale, ctx_of_row, rows, scratch->out_tile, scratch->state, scratch);
-            else
-                prefill_tile_dp_c8(&it, q_tile, a->scale, ctx_of_row, rows, scratch->out_tile, scratch->state, scratch);
+            (head_dim == 64 ? prefill_tile_c4_dp1_bf16 : prefill_tile_c8_dp1_bf16)(
+                &it, q_tile, a->scale, ctx_of_row, rows, scratch->out_tile, scratch->state, scratch);
         } else
 #endif
             CAT(prefill_tile_f32_math_, KV_SUFFIX)(a, &it, first_row, kv_head * pair_size, ctx_of_row, rows, scratch);
@@ -596,5 +510,4 @@ int CAT(folio_prefill_attention_, KV_SUFFIX)(const void *q, int64_t q_row_stride
 }
 
 #undef PREFILL_ITEM_FN
-#undef HAS_PREFILL_DP
 #undef ITEM
