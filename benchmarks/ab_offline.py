@@ -2,12 +2,15 @@
 
     .venv/bin/python benchmarks/ab_offline.py --dtype bfloat16 --config eager='{"enforce_eager": true}'
     .venv/bin/python benchmarks/ab_offline.py --config no_fused_argmax='{"fused_argmax": false}' --repeats 4
+    .venv/bin/python benchmarks/ab_offline.py --config no_kv_prefetch='{"kv_prefetch_bytes": 0}' --repeats 6
 
 Every config is an `LLM(...)` built from the same base (--dtype, prefix caching off: repeated runs must not hit a
 warm cache; 2 GiB of KV each) updated with the config's JSON keywords; "base" (no changes) always runs first.
-The one key that is not an LLM argument, "fused_argmax": false, makes the model decline the LM head's fused
-arg-max so every greedy step computes logits and samples from them. Each round runs W1 (64 prompts, 128 new
-tokens, greedy, EOS ignored) once per config; the table gives every run, the best, and best / base's best.
+Two keys are not LLM arguments: "fused_argmax": false makes the model decline the LM head's fused arg-max so
+every greedy step computes logits and samples from them; "kv_prefetch_bytes": N sets how much of the next
+layer's decode K/V the fused decoder's GEMMs prefetch (0: none; FusedCpuDecoder.set_kv_prefetch_bytes).
+Each round runs W1 (64 prompts, 128 new tokens, greedy, EOS ignored) once per config; the table gives every
+run, the best, and best / base's best.
 Run it on a quiet machine: this VM's memory bandwidth ranged 28-45 GB/s over one session (docs/performance.md).
 """
 
@@ -25,10 +28,13 @@ from folio.bench.datasets import DEFAULT_W1_PATH, load_w1
 def build(dtype: str, changes: dict[str, Any]) -> LLM:
     changes = dict(changes)
     fused_argmax = changes.pop("fused_argmax", True)
+    kv_prefetch_bytes = changes.pop("kv_prefetch_bytes", None)
     llm = LLM(dtype=dtype, enable_prefix_caching=False, kv_cache_memory_bytes=2 << 30, **changes)
+    model = llm.llm_engine.executor.worker.model
     if not fused_argmax:
-        model = llm.llm_engine.executor.worker.model
         model.compute_greedy_token_ids = lambda hidden: None
+    if kv_prefetch_bytes is not None:
+        model.model.fused_cpu.set_kv_prefetch_bytes(kv_prefetch_bytes)
     return llm
 
 

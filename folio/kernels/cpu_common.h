@@ -8,6 +8,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h> /* sysconf: the L3 size (llama_cpu.c) */
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif

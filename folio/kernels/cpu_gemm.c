@@ -94,6 +94,27 @@ static inline NextBlock next_block_share(const void *next, int64_t block_bytes, 
     return (NextBlock){start, start + share < block_end ? start + share : block_end, ntiles < 4 ? 0 : 1};
 }
 
+/* Cache lines a GEMM's tiles pull toward L2 on the side, one every (every_mask + 1) k steps, for whoever reads them
+ * next: the fused decoder hands its GEMMs the K/V blocks of the next layer's decode attention. The GEMMs are
+ * compute-bound with the memory bus mostly idle, the decode attention memory-bound with the FMA units idle; so
+ * the blocks stream from DRAM under the GEMMs and the attention finds them in L2 / L3 (docs/performance.md).
+ * The lines: for each block offset (bytes), block_lines lines of the K cache, then as many of the V cache. */
+typedef struct {
+    const char *k_base, *v_base;
+    const int64_t *offsets;
+    int64_t count, index, line, block_lines, every_mask;
+} SidePrefetch;
+
+static inline void side_prefetch_step(SidePrefetch *sp) {
+    const int64_t in_v = sp->line >= sp->block_lines;
+    const char *base = in_v ? sp->v_base : sp->k_base;
+    __builtin_prefetch(base + sp->offsets[sp->index] + (sp->line - in_v * sp->block_lines) * 64, 0, 2); /* T1 */
+    if (++sp->line == 2 * sp->block_lines) {
+        sp->line = 0;
+        ++sp->index;
+    }
+}
+
 static inline void store_scalar(const Epilogue *e, int64_t row, int64_t col, float v) {
     if (e->bias != NULL) v += e->bias[col];
     if (e->best_val != NULL) {
@@ -134,8 +155,9 @@ static inline void store16(const Epilogue *e, int64_t row, int64_t col, __m512 a
  * bfloat16) is STEP_FMA; MR is a compile-time constant so the accumulators stay in registers. */
 #define DEFINE_TILE(SUFFIX, T, MR, K_STEPS, STEP_FMA)                                                             \
     static void tile_##SUFFIX##_##MR(const T *x, int64_t lda, const T *wb, int64_t k, const Epilogue *e,          \
-                                     int64_t row0, int64_t col0, NextBlock nb) {                                 \
+                                     int64_t row0, int64_t col0, NextBlock nb, SidePrefetch *side) {             \
         __m512 acc[MR][3];                                                                                        \
+        SidePrefetch sp = side != NULL ? *side : (SidePrefetch){0};                                               \
         _Pragma("GCC unroll 8") for (int i = 0; i < MR; ++i) {                                                   \
             acc[i][0] = acc[i][1] = acc[i][2] = _mm512_setzero_ps();                                              \
         }                                                                                                         \
@@ -149,8 +171,10 @@ static inline void store16(const Epilogue *e, int64_t row, int64_t col, __m512 a
                 _mm_prefetch(nb.next, _MM_HINT_T1);                                                               \
                 nb.next += 64;                                                                                    \
             }                                                                                                     \
+            if ((s & sp.every_mask) == 0 && sp.index < sp.count) side_prefetch_step(&sp);                         \
             STEP_FMA(MR)                                                                                          \
         }                                                                                                         \
+        if (side != NULL) *side = sp;                                                                             \
         _Pragma("GCC unroll 8") for (int i = 0; i < MR; ++i) {                                                   \
             for (int j = 0; j < 3; ++j) store16(e, row0 + i, col0 + 16 * j, acc[i][j]);                           \
         }                                                                                                         \

@@ -18,21 +18,22 @@ static void CAT(tile_scalar_, SUFFIX)(const ELEM_T *x, int64_t lda, const ELEM_T
 #endif
 
 static void CAT(tile_, SUFFIX)(const ELEM_T *x, int64_t lda, const ELEM_T *wb, int64_t k, int64_t rows,
-                               const Epilogue *e, int64_t row0, int64_t col0, NextBlock nb) {
+                               const Epilogue *e, int64_t row0, int64_t col0, NextBlock nb, SidePrefetch *side) {
 #if HAS_TILES
     switch (rows) {
-    case 8: CAT(CAT(tile_, SUFFIX), _8)(x, lda, wb, k, e, row0, col0, nb); return;
-    case 7: CAT(CAT(tile_, SUFFIX), _7)(x, lda, wb, k, e, row0, col0, nb); return;
-    case 6: CAT(CAT(tile_, SUFFIX), _6)(x, lda, wb, k, e, row0, col0, nb); return;
-    case 5: CAT(CAT(tile_, SUFFIX), _5)(x, lda, wb, k, e, row0, col0, nb); return;
-    case 4: CAT(CAT(tile_, SUFFIX), _4)(x, lda, wb, k, e, row0, col0, nb); return;
-    case 3: CAT(CAT(tile_, SUFFIX), _3)(x, lda, wb, k, e, row0, col0, nb); return;
-    case 2: CAT(CAT(tile_, SUFFIX), _2)(x, lda, wb, k, e, row0, col0, nb); return;
-    case 1: CAT(CAT(tile_, SUFFIX), _1)(x, lda, wb, k, e, row0, col0, nb); return;
+    case 8: CAT(CAT(tile_, SUFFIX), _8)(x, lda, wb, k, e, row0, col0, nb, side); return;
+    case 7: CAT(CAT(tile_, SUFFIX), _7)(x, lda, wb, k, e, row0, col0, nb, side); return;
+    case 6: CAT(CAT(tile_, SUFFIX), _6)(x, lda, wb, k, e, row0, col0, nb, side); return;
+    case 5: CAT(CAT(tile_, SUFFIX), _5)(x, lda, wb, k, e, row0, col0, nb, side); return;
+    case 4: CAT(CAT(tile_, SUFFIX), _4)(x, lda, wb, k, e, row0, col0, nb, side); return;
+    case 3: CAT(CAT(tile_, SUFFIX), _3)(x, lda, wb, k, e, row0, col0, nb, side); return;
+    case 2: CAT(CAT(tile_, SUFFIX), _2)(x, lda, wb, k, e, row0, col0, nb, side); return;
+    case 1: CAT(CAT(tile_, SUFFIX), _1)(x, lda, wb, k, e, row0, col0, nb, side); return;
     default: return;
     }
 #else
     (void)nb;
+    (void)side;
     CAT(tile_scalar_, SUFFIX)(x, lda, wb, k, rows, e, row0, col0);
 #endif
 }
@@ -41,7 +42,8 @@ static void CAT(tile_, SUFFIX)(const ELEM_T *x, int64_t lda, const ELEM_T *wb, i
  * ldc; out is float32, or bfloat16 when out_is_bf16 (rounded to nearest even once, from the float32 sum).
  * The body is an orphaned `omp for` (see cpu_ops_impl.h); folio_gemm_* opens a region of its own. */
 static void CAT(gemm_body_, SUFFIX)(const ELEM_T *x, int64_t lda, const ELEM_T *packed, const float *bias, void *out,
-                                    int out_is_bf16, int64_t ldc, int64_t m, int64_t n, int64_t k) {
+                                    int out_is_bf16, int64_t ldc, int64_t m, int64_t n, int64_t k,
+                                    SidePrefetch *side) {
     const Epilogue e = {out, out_is_bf16, ldc, bias, n, NULL, NULL};
     const int64_t blocks = num_blocks(n), chunks = (m + CHUNK_M - 1) / CHUNK_M;
     /* chunks of equal size (in whole tiles): with a short last chunk the static split below left one thread idle
@@ -64,7 +66,7 @@ static void CAT(gemm_body_, SUFFIX)(const ELEM_T *x, int64_t lda, const ELEM_T *
             const int64_t row = row_start + t * TILE_M;
             const int64_t rows = row_end - row < TILE_M ? row_end - row : TILE_M;
             const NextBlock nb = next_block_share(next, block_elems * (int64_t)sizeof(ELEM_T), t, ntiles);
-            CAT(tile_, SUFFIX)(x + row * lda, lda, wb, k, rows, &e, row, b * BLOCK_N, nb);
+            CAT(tile_, SUFFIX)(x + row * lda, lda, wb, k, rows, &e, row, b * BLOCK_N, nb, side);
         }
     }
 }
@@ -72,7 +74,7 @@ static void CAT(gemm_body_, SUFFIX)(const ELEM_T *x, int64_t lda, const ELEM_T *
 void CAT(folio_gemm_, SUFFIX)(const ELEM_T *x, int64_t lda, const ELEM_T *packed, const float *bias, void *out,
                               int out_is_bf16, int64_t ldc, int64_t m, int64_t n, int64_t k, int num_threads) {
 #pragma omp parallel num_threads(num_threads) if (num_blocks(n) * ((m + CHUNK_M - 1) / CHUNK_M) > 1)
-    CAT(gemm_body_, SUFFIX)(x, lda, packed, bias, out, out_is_bf16, ldc, m, n, k);
+    CAT(gemm_body_, SUFFIX)(x, lda, packed, bias, out, out_is_bf16, ldc, m, n, k, NULL);
 }
 
 /* out_ids[r] = the column of the largest entry of row r of x @ W^T (the first such column, as torch.argmax), for
@@ -104,7 +106,7 @@ int CAT(folio_gemm_argmax_, SUFFIX)(const ELEM_T *x, int64_t lda, const ELEM_T *
             for (int64_t t = 0; t < ntiles; ++t) {
                 const int64_t row = t * TILE_M, rows = m - row < TILE_M ? m - row : TILE_M;
                 const NextBlock nb = next_block_share(next, block_elems * (int64_t)sizeof(ELEM_T), t, ntiles);
-                CAT(tile_, SUFFIX)(x + row * lda, lda, packed + b * block_elems, k, rows, &e, row, b * BLOCK_N, nb);
+                CAT(tile_, SUFFIX)(x + row * lda, lda, packed + b * block_elems, k, rows, &e, row, b * BLOCK_N, nb, NULL);
             }
         }
     }

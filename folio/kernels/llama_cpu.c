@@ -15,7 +15,10 @@
  *   q|k|v  = normed @ Wqkv^T (+ bias);  rotary(q, k);  k, v -> cache;  attn = attention(q, cache)
  *   proj   = attn @ Wo^T;  normed = rms_norm(proj + h)  (h updated);  act = silu(gate) * up of normed @ Wgu^T
  *   proj   = act @ Wdown^T
- * and at the end: out = final_norm(proj + h). */
+ * and at the end: out = final_norm(proj + h).
+ * Overlap: from a layer's o projection on, its GEMMs (compute-bound) also pull the next layer's decode K/V blocks
+ * toward L2 / L3 (SidePrefetch in cpu_gemm.c), which the next layer's attention (memory-bound) would otherwise
+ * stream from DRAM with the FMA units idle. */
 
 /* One decoder layer's parameters: packed projections (cpu_gemm.c layout), norm weights, an optional q|k|v bias,
  * and the layer's K/V caches (head 0 of block 0; layout in LlamaModelParams). */
@@ -32,6 +35,7 @@ typedef struct {
     const LlamaLayerParams *layers; /* [num_layers] */
     const void *final_norm;         /* [H] */
     int64_t block_size, block_stride, head_stride, pos_stride; /* every layer's cache has this layout */
+    int64_t kv_prefetch_bytes; /* the next layer's decode K/V the GEMMs prefetch (SidePrefetch): < 0 half the L3 */
 } LlamaModelParams;
 
 /* One step: the token rows, the attention plan (as CpuPagedBackend builds it) and scratch buffers. */
@@ -59,6 +63,38 @@ typedef struct {
  * ends at a barrier, so thread 0's clock between barriers is the phase's wall time. */
 enum { PHASE_NORM, PHASE_QKV, PHASE_ROPE_CACHE, PHASE_DECODE_ATTN, PHASE_PREFILL_ATTN, PHASE_O, PHASE_GATE_UP,
        PHASE_SILU, PHASE_DOWN, LLAMA_NUM_PHASES };
+
+/* A GEMM k step asks for a line of the next layer's K/V every KV_PREFETCH_EVERY_MASK + 1 steps (SidePrefetch) */
+#define KV_PREFETCH_EVERY_MASK 1
+
+/* The byte offsets of the K/V blocks the step's decode rows read, row by row, for the GEMMs to prefetch a layer
+ * ahead (SidePrefetch): as many as fit in `budget` bytes of K and V (< 0: half the L3 cache; more would push the
+ * first blocks out before the attention reaches them). Returns NULL with *count 0 for none, NULL with
+ * *count > 0 if it could not allocate. */
+static int64_t *next_layer_kv_offsets(const DecodeRows *d, const int32_t *block_table, int64_t bt_stride,
+                                      const KVLayout *kv, int64_t elem_size, int64_t budget, int64_t *count) {
+    if (budget < 0) {
+        const long l3 = sysconf(_SC_LEVEL3_CACHE_SIZE);
+        budget = (l3 > 0 ? l3 : 8L << 20) / 2;
+    }
+    const int64_t max_blocks = budget / (2 * kv->block_stride * elem_size);
+    int64_t n = 0;
+    for (int64_t i = 0; i < d->num_rows; ++i) n += (d->row_ctx[i] + kv->block_size - 1) / kv->block_size;
+    *count = n < max_blocks ? n : max_blocks;
+    if (*count <= 0) {
+        *count = 0;
+        return NULL;
+    }
+    int64_t *offsets = malloc(sizeof(int64_t) * *count);
+    if (offsets == NULL) return NULL;
+    int64_t c = 0;
+    for (int64_t i = 0; i < d->num_rows && c < *count; ++i) {
+        const int32_t *row_blocks = block_table + (int64_t)d->row_req[i] * bt_stride;
+        for (int64_t b = 0; b * kv->block_size < d->row_ctx[i] && c < *count; ++b)
+            offsets[c++] = (int64_t)row_blocks[b] * kv->block_stride * elem_size;
+    }
+    return offsets;
+}
 
 #define ELEM_T float
 #define SUFFIX f32

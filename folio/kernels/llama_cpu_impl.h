@@ -12,8 +12,12 @@ int CAT(folio_llama_forward_, SUFFIX)(const LlamaModelParams *m, const LlamaStep
     for (int64_t i = 0; i < s->num_rows; ++i) max_ctx = s->row_ctx[i] > max_ctx ? s->row_ctx[i] : max_ctx;
     const int64_t per_thread = attn_scratch_floats(m->num_heads, m->num_kv_heads, D, max_ctx);
     float *arena = attn_arena(per_thread, s->num_threads);
-    if (arena == NULL || prefill_plan_tiles(&prefill) != 0) {
+    int64_t num_offsets = 0;
+    int64_t *kv_offsets = next_layer_kv_offsets(&decode, s->block_table, s->bt_stride, &kv, (int64_t)sizeof(ELEM_T),
+                                                m->kv_prefetch_bytes, &num_offsets);
+    if (arena == NULL || prefill_plan_tiles(&prefill) != 0 || (num_offsets > 0 && kv_offsets == NULL)) {
         free(arena);
+        free(kv_offsets);
         prefill_free_tiles(&prefill);
         return -1;
     }
@@ -22,7 +26,13 @@ int CAT(folio_llama_forward_, SUFFIX)(const LlamaModelParams *m, const LlamaStep
         AttnScratch scratch;
         attn_scratch_carve(&scratch, arena + per_thread * omp_get_thread_num(), m->num_heads, m->num_kv_heads, D,
                            max_ctx);
-        double *timing = omp_get_thread_num() == 0 ? s->phase_seconds : NULL;
+        const int64_t tid = omp_get_thread_num(), nt = omp_get_num_threads();
+        /* this thread's share of the offsets ends at .count; idle (.index = .count) until a layer starts it */
+        SidePrefetch side = {.offsets = kv_offsets, .count = num_offsets * (tid + 1) / nt,
+                             .index = num_offsets * (tid + 1) / nt,
+                             .block_lines = kv.block_stride * (int64_t)sizeof(ELEM_T) / 64,
+                             .every_mask = KV_PREFETCH_EVERY_MASK};
+        double *timing = tid == 0 ? s->phase_seconds : NULL;
         double last = timing != NULL ? omp_get_wtime() : 0.0;
 #define PHASE_DONE(k)                                                                                            \
     if (timing != NULL) {                                                                                        \
@@ -37,7 +47,7 @@ int CAT(folio_llama_forward_, SUFFIX)(const LlamaModelParams *m, const LlamaStep
             else
                 CAT(rms_norm_body_, SUFFIX)(proj, H, hidden, p->input_norm, out, hidden, T, H, m->eps);
             PHASE_DONE(PHASE_NORM)
-            CAT(gemm_body_, SUFFIX)(out, H, p->qkv, p->qkv_bias, qkv, IS_BF16, qkv_size, T, qkv_size, H);
+            CAT(gemm_body_, SUFFIX)(out, H, p->qkv, p->qkv_bias, qkv, IS_BF16, qkv_size, T, qkv_size, H, &side);
             PHASE_DONE(PHASE_QKV)
             CAT(rope_and_cache_body_, SUFFIX)(qkv, qkv_size, s->cos, s->sin, p->k_cache, p->v_cache, s->slots, &kv, T,
                                               m->num_heads, m->num_kv_heads, D);
@@ -49,15 +59,23 @@ int CAT(folio_llama_forward_, SUFFIX)(const LlamaModelParams *m, const LlamaStep
             PHASE_DONE(PHASE_DECODE_ATTN)
             if (prefill.num_tiles > 0) CAT(prefill_body_, SUFFIX)(&attn, &prefill, &scratch);
             PHASE_DONE(PHASE_PREFILL_ATTN)
-            CAT(gemm_body_, SUFFIX)(attn_out, q_size, p->o, NULL, proj, IS_BF16, H, T, H, q_size);
+            /* from here on (this layer's o, gate|up, down and the next one's q|k|v) the GEMMs prefetch the next
+             * layer's K/V blocks, this thread's share of them; nothing after the last layer */
+            side.index = l + 1 < m->num_layers ? num_offsets * tid / nt : side.count;
+            side.line = 0;
+            if (l + 1 < m->num_layers) {
+                side.k_base = (const char *)m->layers[l + 1].k_cache;
+                side.v_base = (const char *)m->layers[l + 1].v_cache;
+            }
+            CAT(gemm_body_, SUFFIX)(attn_out, q_size, p->o, NULL, proj, IS_BF16, H, T, H, q_size, &side);
             PHASE_DONE(PHASE_O)
             CAT(rms_norm_body_, SUFFIX)(proj, H, hidden, p->post_norm, out, hidden, T, H, m->eps);
             PHASE_DONE(PHASE_NORM)
-            CAT(gemm_body_, SUFFIX)(out, H, p->gate_up, NULL, gate_up, IS_BF16, 2 * inter, T, 2 * inter, H);
+            CAT(gemm_body_, SUFFIX)(out, H, p->gate_up, NULL, gate_up, IS_BF16, 2 * inter, T, 2 * inter, H, &side);
             PHASE_DONE(PHASE_GATE_UP)
             CAT(silu_and_mul_body_, SUFFIX)(gate_up, 2 * inter, act, T, inter);
             PHASE_DONE(PHASE_SILU)
-            CAT(gemm_body_, SUFFIX)(act, inter, p->down, NULL, proj, IS_BF16, H, T, H, inter);
+            CAT(gemm_body_, SUFFIX)(act, inter, p->down, NULL, proj, IS_BF16, H, T, H, inter, &side);
             PHASE_DONE(PHASE_DOWN)
         }
         CAT(rms_norm_body_, SUFFIX)(proj, H, hidden, m->final_norm, out, hidden, T, H, m->eps);
@@ -65,6 +83,7 @@ int CAT(folio_llama_forward_, SUFFIX)(const LlamaModelParams *m, const LlamaStep
 #undef PHASE_DONE
     }
     prefill_free_tiles(&prefill);
+    free(kv_offsets);
     free(arena);
     return 0;
 }

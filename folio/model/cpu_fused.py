@@ -11,6 +11,7 @@ every other device and dtype.
 from __future__ import annotations
 
 import ctypes
+import os
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -69,6 +70,7 @@ class _ModelParams(ctypes.Structure):
         ("block_stride", _i64),
         ("head_stride", _i64),
         ("pos_stride", _i64),
+        ("kv_prefetch_bytes", _i64),
     ]
 
 
@@ -144,12 +146,19 @@ class FusedCpuDecoder:
             scale=attn.scale,
             layers=self._layers,
             final_norm=model.norm.weight.data_ptr(),
+            kv_prefetch_bytes=int(os.environ.get("FOLIO_KV_PREFETCH_BYTES", "-1")),
         )
         self._model = model  # the weights the pointers above refer to stay alive with it
         self._caches_bound: list[torch.Tensor] | None = None
         # while timing (set_phase_timing): one record per forward, (decode rows, prefill segments, seconds per phase)
         self.phase_records: list[tuple[int, int, list[float]]] | None = None
         self._phase_seconds = torch.zeros(len(PHASES), dtype=torch.float64)
+
+    def set_kv_prefetch_bytes(self, budget: int) -> None:
+        """How much of the next layer's decode K/V the GEMMs of a layer prefetch (llama_cpu.c, SidePrefetch): a
+        negative budget is half the L3 cache (the default; FOLIO_KV_PREFETCH_BYTES sets it at load), 0 is off.
+        For A/B runs in one process (benchmarks/ab_offline.py)."""
+        self._params.kv_prefetch_bytes = budget
 
     def set_phase_timing(self, on: bool) -> None:
         """Starts (with no records) or stops recording the wall time of each phase of every forward, as PHASES
