@@ -64,15 +64,22 @@ typedef struct {
 enum { PHASE_NORM, PHASE_QKV, PHASE_ROPE_CACHE, PHASE_DECODE_ATTN, PHASE_PREFILL_ATTN, PHASE_O, PHASE_GATE_UP,
        PHASE_SILU, PHASE_DOWN, LLAMA_NUM_PHASES };
 
-/* A GEMM k step asks for a line of the next layer's K/V every KV_PREFETCH_EVERY_MASK + 1 steps (SidePrefetch) */
+/* A GEMM k step asks for a line of the next layer's K/V every KV_PREFETCH_EVERY_MASK + 1 steps (SidePrefetch), in
+ * steps of at least KV_PREFETCH_MIN_TOKENS rows: below that the GEMMs themselves wait on the weights' stream from
+ * DRAM, and the extra traffic slowed them more than it saved (bf16, greedy decode of the first W1 prompts, best of
+ * 6 alternating runs without / with: 4 rows 809 / 875 ms, 16 rows 1675 / 1770, 32 rows 3085 / 2982, 48 rows
+ * 4335 / 4337; W1's 64: 1480 / 1521 tok/s). */
 #define KV_PREFETCH_EVERY_MASK 1
+#define KV_PREFETCH_MIN_TOKENS 32
 
 /* The byte offsets of the K/V blocks the step's decode rows read, row by row, for the GEMMs to prefetch a layer
  * ahead (SidePrefetch): as many as fit in `budget` bytes of K and V (< 0: half the L3 cache; more would push the
- * first blocks out before the attention reaches them). Returns NULL with *count 0 for none, NULL with
+ * first blocks out before the attention reaches them); none in a step of fewer than KV_PREFETCH_MIN_TOKENS. Returns NULL with *count 0 for none, NULL with
  * *count > 0 if it could not allocate. */
 static int64_t *next_layer_kv_offsets(const DecodeRows *d, const int32_t *block_table, int64_t bt_stride,
-                                      const KVLayout *kv, int64_t elem_size, int64_t budget, int64_t *count) {
+                                      const KVLayout *kv, int64_t elem_size, int64_t budget, int64_t num_tokens,
+                                      int64_t *count) {
+    if (num_tokens < KV_PREFETCH_MIN_TOKENS) budget = 0;
     if (budget < 0) {
         const long l3 = sysconf(_SC_LEVEL3_CACHE_SIZE);
         budget = (l3 > 0 ? l3 : 8L << 20) / 2;

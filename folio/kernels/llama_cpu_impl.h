@@ -14,7 +14,7 @@ int CAT(folio_llama_forward_, SUFFIX)(const LlamaModelParams *m, const LlamaStep
     float *arena = attn_arena(per_thread, s->num_threads);
     int64_t num_offsets = 0;
     int64_t *kv_offsets = next_layer_kv_offsets(&decode, s->block_table, s->bt_stride, &kv, (int64_t)sizeof(ELEM_T),
-                                                m->kv_prefetch_bytes, &num_offsets);
+                                                m->kv_prefetch_bytes, T, &num_offsets);
     if (arena == NULL || prefill_plan_tiles(&prefill) != 0 || (num_offsets > 0 && kv_offsets == NULL)) {
         free(arena);
         free(kv_offsets);
