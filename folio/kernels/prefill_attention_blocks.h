@@ -28,7 +28,7 @@
     ((DP) ? _mm512_dpbf16_ps((acc), (__m512bh)(a), (__m512bh)(b))                                               \
           : _mm512_fmadd_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(b), (acc)))
 #else
-#define WORD_STEP(DP, acc, a, b) _mm512_fmadd_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(b), (acc))
+#define WORD_STEP(DP, acc, a, b) ((void)(DP), _mm512_fmadd_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(b), (acc)))
 #endif
 
 /* 1. Positions b0 .. b0 + n - 1 of the tile's KV head into kp and vp (positions n .. up to the chunk's end: 0). */
