@@ -99,7 +99,7 @@ typedef struct {
     /* prefill, AVX-512 block tile: a context block's K and V rearranged (up to [DP_BLOCK, D] 32-bit words
      * each), its scores [PREFILL_TILE G, DP_BLOCK], probabilities (up to [PREFILL_TILE G, DP_BLOCK] words) and
      * each pair's rescale factor [PREFILL_TILE G] */
-    int32_t *kp, *vp, *probs;
+    float *kp, *vp, *probs; /* 32-bit words of either kind, read and written through vector intrinsics */
     float *block_scores, *rescale;
 } AttnScratch;
 
@@ -110,8 +110,7 @@ static int64_t attn_scratch_carve(AttnScratch *s, float *base, int64_t num_heads
     const int64_t group = num_heads / num_kv_heads, ctx16 = (max_ctx + 15) / 16 * 16;
     const int64_t tile_pairs = PREFILL_TILE * group;
     float **regions[] = {&s->scores, &s->acc, &s->q_row, &s->out_row, &s->q_tile, &s->out_tile, &s->kt, &s->vc,
-                         &s->state, (float **)&s->kp, (float **)&s->vp, (float **)&s->probs, &s->block_scores,
-                         &s->rescale};
+                         &s->state, &s->kp, &s->vp, &s->probs, &s->block_scores, &s->rescale};
     const int64_t sizes[] = {num_heads * ctx16, group * head_dim, num_heads * head_dim, num_heads * head_dim,
                              tile_pairs * head_dim, tile_pairs * head_dim, 16 * head_dim, 16 * head_dim,
                              2 * tile_pairs, DP_BLOCK * head_dim, DP_BLOCK * head_dim, tile_pairs * DP_BLOCK,
@@ -196,6 +195,14 @@ static inline __m512bh load32_bh(const void *p) {
     return v;
 }
 #endif
+
+/* a 32-bit word from memory broadcast to every lane (memcpy: the buffers hold floats or bf16 pairs, and a plain
+ * int32_t read of them would break C's aliasing rules; it compiles to one vpbroadcastd) */
+static inline __m512i broadcast_word(const void *p) {
+    int32_t w;
+    memcpy(&w, p, sizeof w);
+    return _mm512_set1_epi32(w);
+}
 
 /* lane j of the result = the sum of the 16 lanes of s[j]: a reduction tree (45 shuffles and adds for 16 sums,
  * where 16 separate horizontal sums take about 130) */

@@ -34,14 +34,14 @@
 /* 1. Positions b0 .. b0 + n - 1 of the tile's KV head into kp and vp (positions n .. up to the chunk's end: 0). */
 static inline __attribute__((always_inline)) void CAT(pack_block_, KV_SUFFIX)(const ITEM *it, int64_t b0, int64_t n,
                                                                              const int C, const int DP,
-                                                                             int32_t *kp, int32_t *vp) {
+                                                                             float *kp, float *vp) {
     const int64_t words = 16 * C / (1 + DP); /* per position */
     const __m512i zero = _mm512_setzero_si512();
     for (int64_t c0 = 0; c0 < n; c0 += 16) {
         const int64_t m = n - c0 < 16 ? n - c0 : 16;
         const KV_T *krow[16], *vrow[16];
         CAT(chunk_rows_, KV_SUFFIX)(it, c0 + b0, m, krow, vrow);
-        int32_t *kc = kp + c0 * words, *vc = vp + c0 * words;
+        float *kc = kp + c0 * words, *vc = vp + c0 * words;
         for (int h = 0; h < C / (1 + DP); ++h) { /* 16 words of each row at a time */
             __m512 r[16];
             for (int64_t j = 0; j < 16; ++j)
@@ -49,7 +49,7 @@ static inline __attribute__((always_inline)) void CAT(pack_block_, KV_SUFFIX)(co
                        : DP   ? _mm512_loadu_ps((const void *)(krow[j] + 32 * h))
                               : KV_LOAD16(krow[j] + 16 * h);
             transpose16(r);
-            for (int i = 0; i < 16; ++i) _mm512_storeu_ps((float *)kc + (16 * h + i) * 16, r[i]);
+            for (int i = 0; i < 16; ++i) _mm512_storeu_ps(kc + (16 * h + i) * 16, r[i]);
             if (DP) {
                 for (int i = 0; i < 8; ++i) {
                     const __m512i a = 2 * i < m ? _mm512_loadu_si512((const void *)(vrow[2 * i] + 32 * h)) : zero;
@@ -60,7 +60,7 @@ static inline __attribute__((always_inline)) void CAT(pack_block_, KV_SUFFIX)(co
                 }
             } else {
                 for (int64_t j = 0; j < 16; ++j)
-                    _mm512_storeu_ps((float *)vc + (j * C + h) * 16, j < m ? KV_LOAD16(vrow[j] + 16 * h)
+                    _mm512_storeu_ps(vc + (j * C + h) * 16, j < m ? KV_LOAD16(vrow[j] + 16 * h)
                                                                            : _mm512_setzero_ps());
             }
         }
@@ -70,7 +70,7 @@ static inline __attribute__((always_inline)) void CAT(pack_block_, KV_SUFFIX)(co
 /* 2. scores[p][16 (ch + k) + j] for PB pairs from pair0 and NC chunks from ch (compile-time PB, NC, C, DP);
  * q: each pair's query as D / (1 + DP) words. */
 static inline __attribute__((always_inline)) void CAT(block_scores_, KV_SUFFIX)(
-    const int32_t *q, int64_t pair0, const int PB, const int32_t *kp, int64_t ch, const int NC, const int C,
+    const float *q, int64_t pair0, const int PB, const float *kp, int64_t ch, const int NC, const int C,
     const int DP, __m512 scale, float *scores) {
     const int words = 16 * C / (1 + DP);
     __m512 acc[12][4];
@@ -80,7 +80,7 @@ static inline __attribute__((always_inline)) void CAT(block_scores_, KV_SUFFIX)(
         __m512i kv[4];
         for (int k = 0; k < NC; ++k) kv[k] = _mm512_loadu_si512(kp + ((ch + k) * words + w) * 16);
         for (int p = 0; p < PB; ++p) {
-            const __m512i qw = _mm512_set1_epi32(q[(pair0 + p) * words + w]);
+            const __m512i qw = broadcast_word(q + (pair0 + p) * words + w);
             for (int k = 0; k < NC; ++k) acc[p][k] = WORD_STEP(DP, acc[p][k], qw, kv[k]);
         }
     }
@@ -91,7 +91,7 @@ static inline __attribute__((always_inline)) void CAT(block_scores_, KV_SUFFIX)(
 
 /* 2. for every pair, chunks ch .. ch + NC - 1: 12 / NC pairs at a time, the rest one by one */
 static inline __attribute__((always_inline)) void CAT(block_scores_all_, KV_SUFFIX)(
-    const int32_t *q, int64_t pairs, const int32_t *kp, int64_t ch, const int NC, const int C, const int DP,
+    const float *q, int64_t pairs, const float *kp, int64_t ch, const int NC, const int C, const int DP,
     __m512 scale, float *scores) {
     int64_t p0 = 0;
     for (; p0 + 12 / NC <= pairs; p0 += 12 / NC)
@@ -105,9 +105,9 @@ static inline __attribute__((always_inline)) void CAT(block_scores_all_, KV_SUFF
 static inline __attribute__((always_inline)) float CAT(block_softmax_, KV_SUFFIX)(const float *scores,
                                                                                  int64_t visible, int64_t n16,
                                                                                  const int DP, float *state,
-                                                                                 int32_t *probs) {
+                                                                                 float *probs) {
     if (visible <= 0) {
-        memset(probs, 0, sizeof(int32_t) * n16 / (1 + DP));
+        memset(probs, 0, sizeof(float) * n16 / (1 + DP));
         return 1.0f;
     }
     __m512 vmax = _mm512_set1_ps(-FLT_MAX);
@@ -127,7 +127,7 @@ static inline __attribute__((always_inline)) float CAT(block_softmax_, KV_SUFFIX
         if (DP)
             _mm256_storeu_si256((__m256i *)(probs + c0 / 2), f32x16_to_bf16(p));
         else
-            _mm512_storeu_ps((float *)probs + c0, p);
+            _mm512_storeu_ps(probs + c0, p);
     }
     const float rescale = m_old == -FLT_MAX ? 0.0f : expf(m_old - m_new); /* (libm's underflow path is slow) */
     state[0] = m_new;
@@ -137,7 +137,7 @@ static inline __attribute__((always_inline)) float CAT(block_softmax_, KV_SUFFIX
 
 /* 4. out[p] = out[p] * rescale[p] + probs[p] . vp over `steps` words of probabilities, PB pairs from pair0. */
 static inline __attribute__((always_inline)) void CAT(block_weighted_v_, KV_SUFFIX)(
-    const int32_t *probs, int64_t pair0, const int PB, const int32_t *vp, int64_t steps, const int C, const int DP,
+    const float *probs, int64_t pair0, const int PB, const float *vp, int64_t steps, const int C, const int DP,
     const float *rescale, float *out) {
     const int64_t D = 16 * C;
     __m512 acc[6][8];
@@ -149,7 +149,7 @@ static inline __attribute__((always_inline)) void CAT(block_weighted_v_, KV_SUFF
         __m512i vv[8];
         for (int c = 0; c < C; ++c) vv[c] = _mm512_loadu_si512(vp + (i * C + c) * 16);
         for (int p = 0; p < PB; ++p) {
-            const __m512i pw = _mm512_set1_epi32(probs[(pair0 + p) * DP_BLOCK + i]);
+            const __m512i pw = broadcast_word(probs + (pair0 + p) * DP_BLOCK + i);
             for (int c = 0; c < C; ++c) acc[p][c] = WORD_STEP(DP, acc[p][c], pw, vv[c]);
         }
     }
@@ -163,9 +163,9 @@ static inline __attribute__((always_inline)) void CAT(prefill_tile_blocks_, KV_S
     int64_t rows, float *out_tile, float *state, const AttnScratch *scratch) {
     const int64_t G = it->group, pairs = rows * G, D = 16 * C;
     const int64_t max_ctx = prefill_tile_begin(ctx_of_row, rows, pairs, D, out_tile, state);
-    const int32_t *q = (const int32_t *)q_tile;
+    const float *q = (const float *)q_tile; /* addresses words; every access goes through broadcast_word */
     const __m512 scale_v = _mm512_set1_ps(scale);
-    int32_t *kp = scratch->kp, *vp = scratch->vp, *probs = scratch->probs;
+    float *kp = scratch->kp, *vp = scratch->vp, *probs = scratch->probs;
     float *scores = scratch->block_scores;
     for (int64_t b0 = 0; b0 < max_ctx; b0 += DP_BLOCK) {
         const int64_t n = max_ctx - b0 < DP_BLOCK ? max_ctx - b0 : DP_BLOCK, n16 = (n + 15) / 16 * 16;
