@@ -436,7 +436,7 @@ static void CAT(prefill_tile_f32_math_, KV_SUFFIX)(const PagedArgs *a, const ITE
 #ifdef __AVX512F__
     if (it->head_dim == 64 || it->head_dim == 128) {
         (it->head_dim == 64 ? CAT(prefill_tile_c4_dp0_, KV_SUFFIX) : CAT(prefill_tile_c8_dp0_, KV_SUFFIX))(
-            it, scratch->q_tile, a->scale, ctx_of_row, rows, scratch->out_tile, scratch->state, scratch);
+            it, a->scale, ctx_of_row, rows, scratch);
         return;
     }
 #endif
@@ -469,7 +469,7 @@ static void CAT(prefill_body_, KV_SUFFIX)(const PagedArgs *a, const PrefillSegs 
                 memcpy(q_tile + r * pair_size, (const uint16_t *)a->q + (first_row + r) * a->q_row_stride + kv_head * pair_size,
                        sizeof(uint16_t) * pair_size);
             (head_dim == 64 ? prefill_tile_c4_dp1_bf16 : prefill_tile_c8_dp1_bf16)(
-                &it, q_tile, a->scale, ctx_of_row, rows, scratch->out_tile, scratch->state, scratch);
+                &it, a->scale, ctx_of_row, rows, scratch);
         } else
 #endif
             CAT(prefill_tile_f32_math_, KV_SUFFIX)(a, &it, first_row, kv_head * pair_size, ctx_of_row, rows, scratch);

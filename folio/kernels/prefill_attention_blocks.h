@@ -157,13 +157,15 @@ static inline __attribute__((always_inline)) void CAT(block_weighted_v_, KV_SUFF
         for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + (pair0 + p) * D + 16 * c, acc[p][c]);
 }
 
-/* q_tile: [rows][G][D] words (float32, or raw bf16 where DP); out_tile: [rows][G][D] float32 */
+/* The tile's queries come in scratch->q_tile ([rows][G][D] words: float32, or raw bf16 where DP; every access
+ * goes through broadcast_word) and its output goes to scratch->out_tile ([rows][G][D] float32). */
 static inline __attribute__((always_inline)) void CAT(prefill_tile_blocks_, KV_SUFFIX)(
-    const ITEM *it, const int C, const int DP, const void *q_tile, float scale, const int32_t *ctx_of_row,
-    int64_t rows, float *out_tile, float *state, const AttnScratch *scratch) {
+    const ITEM *it, const int C, const int DP, float scale, const int32_t *ctx_of_row, int64_t rows,
+    const AttnScratch *scratch) {
     const int64_t G = it->group, pairs = rows * G, D = 16 * C;
+    float *out_tile = scratch->out_tile, *state = scratch->state;
     const int64_t max_ctx = prefill_tile_begin(ctx_of_row, rows, pairs, D, out_tile, state);
-    const float *q = (const float *)q_tile; /* addresses words; every access goes through broadcast_word */
+    const float *q = scratch->q_tile;
     const __m512 scale_v = _mm512_set1_ps(scale);
     float *kp = scratch->kp, *vp = scratch->vp, *probs = scratch->probs;
     float *scores = scratch->block_scores;
@@ -205,11 +207,10 @@ static inline __attribute__((always_inline)) void CAT(prefill_tile_blocks_, KV_S
 /* The instances: float32 maths for head_dim 64 / 128, and where the cache is bf16 and the CPU has AVX512-BF16,
  * the dot-product ones */
 #define DEFINE_PREFILL_BLOCKS(C, DP)                                                                           \
-    static void CAT(prefill_tile_c##C##_dp##DP##_, KV_SUFFIX)(const ITEM *it, const void *q_tile, float scale, \
+    static void CAT(prefill_tile_c##C##_dp##DP##_, KV_SUFFIX)(const ITEM *it, float scale,                     \
                                                                const int32_t *ctx_of_row, int64_t rows,        \
-                                                               float *out_tile, float *state,                  \
                                                                const AttnScratch *scratch) {                   \
-        CAT(prefill_tile_blocks_, KV_SUFFIX)(it, C, DP, q_tile, scale, ctx_of_row, rows, out_tile, state, scratch); \
+        CAT(prefill_tile_blocks_, KV_SUFFIX)(it, C, DP, scale, ctx_of_row, rows, scratch);                       \
     }
 DEFINE_PREFILL_BLOCKS(4, 0)
 DEFINE_PREFILL_BLOCKS(8, 0)
