@@ -61,9 +61,7 @@ static void CAT(silu_and_mul_body_, SUFFIX)(const ELEM_T *gate_up, int64_t gu_st
         /* 16 at a time: the scalar loop's expf call does not vectorize with bfloat16 rounding around it (it cost
          * 12% of a decode step) */
         for (; j + 16 <= inter; j += 16) {
-            const __m512 gf = VLOAD16(g + j);
-            const __m512 silu = _mm512_div_ps(gf, _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), gf))));
-            VSTORE16(o + j, _mm512_mul_ps(VROUND16(silu), VLOAD16(u + j)));
+            VSTORE16(o + j, _mm512_mul_ps(VROUND16(silu16(VLOAD16(g + j))), VLOAD16(u + j)));
         }
 #endif
         for (; j < inter; ++j) {
