@@ -1,10 +1,16 @@
-"""A/B of two or more builds of the CPU kernels on the prefill attention, alternating calls in one process.
+"""A/B of two or more builds of the CPU kernels on the attention, alternating calls in one process.
 
     git archive HEAD~1 folio/kernels | tar -x -C /tmp/old        # the tree to compare against
     gcc -O3 -march=native -ffast-math -fopenmp -fPIC -shared -std=c11 /tmp/old/folio/kernels/cpu_kernels.c \\
         -o /tmp/old.so -lm                                        # (the flags of folio/kernels/cpu_build.py)
     .venv/bin/python benchmarks/ab_attention_builds.py /tmp/old.so /tmp/new.so
     .venv/bin/python benchmarks/ab_attention_builds.py --dtype float32 --prompt-len 500 1000 --num-prompts 4 ...
+    .venv/bin/python benchmarks/ab_attention_builds.py --decode /tmp/old.so /tmp/new.so
+
+Prefill (default): fresh prompts through one layer. --decode: a decode step of 64 rows at contexts 110-290
+through 30 layers, the K/V (about 260 MB in bf16) in three places: DRAM (30 layer caches, as a real step
+streams them), L3 (one layer's cache read 30 times) and L2 (every row reading the same blocks): the kernel's
+compute shows in the last, its memory behaviour in the first.
 
 Why a script of its own: a kernel's effect on a whole W1 run is a few percent, under this VM's noise; calling
 both builds on the same inputs in turn, best of many, separates them. Each library is loaded with ctypes and
@@ -25,7 +31,7 @@ import torch
 from folio.attention.backends import cpu_paged
 from folio.attention.builder import build_attn_metadata
 
-NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16  # SmolLM2's attention
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_LAYERS = 9, 3, 64, 16, 30  # SmolLM2's attention
 
 
 def backend_for(path: str) -> cpu_paged.CpuPagedBackend:
@@ -42,6 +48,62 @@ def backend_for(path: str) -> cpu_paged.CpuPagedBackend:
     return cpu_paged.CpuPagedBackend(kernels)
 
 
+def contiguous_tables(seq_lens: list[int]) -> tuple[list[list[int]], int]:
+    tables, next_block = [], 0
+    for seq_len in seq_lens:
+        n = -(-seq_len // BLOCK_SIZE)
+        tables.append(list(range(next_block, next_block + n)))
+        next_block += n
+    return tables, next_block
+
+
+def fused_qkv(num_tokens: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v as views of one q|k|v buffer, as the model hands them over."""
+    qkv = torch.randn(num_tokens, (NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM).to(dtype)
+    q, k, v = qkv.split([NUM_HEADS * HEAD_DIM, NUM_KV_HEADS * HEAD_DIM, NUM_KV_HEADS * HEAD_DIM], dim=1)
+    return (
+        q.view(num_tokens, NUM_HEADS, -1),
+        k.view(num_tokens, NUM_KV_HEADS, -1),
+        v.view(num_tokens, NUM_KV_HEADS, -1),
+    )
+
+
+def head_major_cache(num_blocks: int, dtype: torch.dtype) -> torch.Tensor:
+    """Random K/V in head-major storage, as the worker allocates it."""
+    return torch.randn(2, num_blocks, NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM).to(dtype).transpose(2, 3)
+
+
+def run_decode(backends: list[cpu_paged.CpuPagedBackend], paths: list[str], dtype: torch.dtype, repeats: int) -> None:
+    rng = random.Random(0)
+    seq_lens = [rng.randint(110, 290) for _ in range(64)]
+    tables, num_blocks = contiguous_tables(seq_lens)
+    longest = [list(range(-(-max(seq_lens) // BLOCK_SIZE)))]
+    attn = build_attn_metadata([1] * 64, seq_lens, tables, BLOCK_SIZE)
+    attn_shared = build_attn_metadata([1] * 64, seq_lens, longest * 64, BLOCK_SIZE)
+    q, k, v = fused_qkv(64, dtype)
+    caches = [head_major_cache(num_blocks + 1, dtype) for _ in range(NUM_LAYERS)]
+    places = {
+        "DRAM": (caches, attn),
+        "L3": (caches[:1] * NUM_LAYERS, attn),
+        "L2": (caches[:1] * NUM_LAYERS, attn_shared),
+    }
+    outputs = [b.forward(q, k, v, caches[0], attn, HEAD_DIM**-0.5).float() for b in backends]
+    for path, out in zip(paths[1:], outputs[1:], strict=True):
+        print(f"{path}: largest |difference| from {paths[0]}: {(out - outputs[0]).abs().max().item():.3g}")
+    best = {(i, place): float("inf") for i in range(len(backends)) for place in places}
+    for _ in range(repeats):
+        for i, backend in enumerate(backends):
+            for place, (layer_caches, step_attn) in places.items():
+                start = time.perf_counter()
+                for cache in layer_caches:
+                    backend.forward(q, k, v, cache, step_attn, HEAD_DIM**-0.5)
+                best[(i, place)] = min(best[(i, place)], time.perf_counter() - start)
+    print(f"decode attention, 64 rows x {NUM_LAYERS} layers, {dtype}, ms per step, best of {repeats}:")
+    for i, path in enumerate(paths):
+        cells = "  ".join(f"K/V in {place}: {best[(i, place)] * 1e3:.2f}" for place in places)
+        print(f"  {path}: {cells}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("libraries", nargs="+", help="kernel builds (.so) to compare; the first is the reference")
@@ -49,28 +111,21 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, nargs=2, default=[20, 200], metavar=("MIN", "MAX"))
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--decode", action="store_true", help="a 64-row decode step instead of prefills")
     ns = parser.parse_args()
     dtype = getattr(torch, ns.dtype)
+    backends = [backend_for(path) for path in ns.libraries]
+    if ns.decode:
+        run_decode(backends, ns.libraries, dtype, ns.repeats)
+        return
     rng = random.Random(0)
     seq_lens = [rng.randint(*ns.prompt_len) for _ in range(ns.num_prompts)]
-    tables, next_block = [], 0
-    for seq_len in seq_lens:
-        n = -(-seq_len // BLOCK_SIZE)
-        tables.append(list(range(next_block, next_block + n)))
-        next_block += n
-    # head-major storage, as the worker allocates it
-    cache = torch.zeros(2, next_block + 1, NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM).to(dtype).transpose(2, 3)
+    tables, num_blocks = contiguous_tables(seq_lens)
+    cache = head_major_cache(num_blocks + 1, dtype).zero_()
     attn = build_attn_metadata(seq_lens, seq_lens, tables, BLOCK_SIZE)
     num_tokens = sum(seq_lens)
-    qkv = torch.randn(num_tokens, (NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM).to(dtype)
-    q, k, v = qkv.split([NUM_HEADS * HEAD_DIM, NUM_KV_HEADS * HEAD_DIM, NUM_KV_HEADS * HEAD_DIM], dim=1)
-    q, k, v = (
-        q.view(num_tokens, NUM_HEADS, -1),
-        k.view(num_tokens, NUM_KV_HEADS, -1),
-        v.view(num_tokens, NUM_KV_HEADS, -1),
-    )
+    q, k, v = fused_qkv(num_tokens, dtype)
     flops = sum(s * (s + 1) / 2 for s in seq_lens) * NUM_HEADS * HEAD_DIM * 4
-    backends = [backend_for(path) for path in ns.libraries]
     outputs = [b.forward(q, k, v, cache, attn, HEAD_DIM**-0.5).float() for b in backends]
     for path, out in zip(ns.libraries[1:], outputs[1:], strict=True):
         print(f"{path}: largest |difference| from {ns.libraries[0]}: {(out - outputs[0]).abs().max().item():.3g}")
