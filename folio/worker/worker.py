@@ -71,7 +71,7 @@ class KVCacheShape:
         every layer, scattered over the cache: 4 KiB pages cost a TLB miss each) and starts a layer-dependent
         number of cache lines past the page boundary, so that the same slot of successive layers does not land in
         the same L2 sets (the GEMMs prefetch the next layer's blocks while this layer's are live). W1 bf16,
-        decode-only steps: GEMMs 2.04 -> 1.97 s, decode attention 0.615 -> 0.606 (docs/performance.md)."""
+        decode-only steps: 2.845 -> 2.707 s, decode attention 0.670 -> 0.608 (docs/performance.md)."""
         if device.type != "cpu":
             return torch.zeros(shape, dtype=self.dtype, device=device)
         numel = math.prod(shape)
