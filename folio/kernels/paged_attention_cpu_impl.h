@@ -216,18 +216,11 @@ static inline __attribute__((always_inline)) void CAT(decode_row_avx512_, KV_SUF
 #if DECODE_V_DOT
             /* two positions per step: the weights of head g for positions j, j + 1 are one bf16 pair */
             const uint16_t *pairs = (const uint16_t *)(scores + (kh - kh0) * G * ctx16) + start;
-            int64_t j = 0;
-            for (; j + 1 < n_block; j += 2) {
+            for (int64_t j = 0; j < n_block; j += 2) {
+                /* a lone last row of the block: its partner's weight meets zeros */
+                const KV_T *partner = j + 1 < n_block ? vb + (j + 1) * pos_stride : NULL;
                 __m512bh vv[8];
-                CAT(v_row_pairs_, KV_SUFFIX)(vb + j * pos_stride, vb + (j + 1) * pos_stride, C, vv);
-                for (int g = 0; g < G; ++g) {
-                    const __m512bh pj = (__m512bh)broadcast_word(pairs + g * 2 * ctx16 + j);
-                    for (int c = 0; c < C; ++c) a[g][c] = _mm512_dpbf16_ps(a[g][c], pj, vv[c]);
-                }
-            }
-            if (j < n_block) { /* a lone last row: its partner's weight meets zeros */
-                __m512bh vv[8];
-                CAT(v_row_pairs_, KV_SUFFIX)(vb + j * pos_stride, NULL, C, vv);
+                CAT(v_row_pairs_, KV_SUFFIX)(vb + j * pos_stride, partner, C, vv);
                 for (int g = 0; g < G; ++g) {
                     const __m512bh pj = (__m512bh)broadcast_word(pairs + g * 2 * ctx16 + j);
                     for (int c = 0; c < C; ++c) a[g][c] = _mm512_dpbf16_ps(a[g][c], pj, vv[c]);
