@@ -254,23 +254,19 @@ static inline __attribute__((always_inline)) void CAT(decode_row_avx512_, KV_SUF
     for (int64_t r = 0; r < num_kv * G; ++r) {
         const __m512 inv = _mm512_set1_ps(inv_sum[r]);
         float *o = out + (kh0 * G + r) * D;
-#if DECODE_V_DOT
-        /* o holds each 32-dim slice as v_row_pairs_ leaves it: put the dims back in order */
+#if KV_IS_BF16
+        /* o holds each 32-dim slice as two vectors in the V pass's order: put the dims back in order */
+#if DECODE_V_DOT /* as v_row_pairs_ leaves them */
         const __m512i lo = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
         const __m512i hi = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
-        for (int h = 0; h < C / 2; ++h) {
-            const __m512 low = _mm512_loadu_ps(o + 32 * h), high = _mm512_loadu_ps(o + 32 * h + 16);
-            _mm512_storeu_ps(o + 32 * h, _mm512_mul_ps(_mm512_permutex2var_ps(low, lo, high), inv));
-            _mm512_storeu_ps(o + 32 * h + 16, _mm512_mul_ps(_mm512_permutex2var_ps(low, hi, high), inv));
-        }
-#elif KV_IS_BF16
-        /* o holds (even, odd) dims of each 32-dim slice: interleave them back */
+#else /* the even dims, then the odd ones */
         const __m512i lo = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
         const __m512i hi = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+#endif
         for (int h = 0; h < C / 2; ++h) {
-            const __m512 even = _mm512_loadu_ps(o + 32 * h), odd = _mm512_loadu_ps(o + 32 * h + 16);
-            _mm512_storeu_ps(o + 32 * h, _mm512_mul_ps(_mm512_permutex2var_ps(even, lo, odd), inv));
-            _mm512_storeu_ps(o + 32 * h + 16, _mm512_mul_ps(_mm512_permutex2var_ps(even, hi, odd), inv));
+            const __m512 first = _mm512_loadu_ps(o + 32 * h), second = _mm512_loadu_ps(o + 32 * h + 16);
+            _mm512_storeu_ps(o + 32 * h, _mm512_mul_ps(_mm512_permutex2var_ps(first, lo, second), inv));
+            _mm512_storeu_ps(o + 32 * h + 16, _mm512_mul_ps(_mm512_permutex2var_ps(first, hi, second), inv));
         }
 #else
         for (int c = 0; c < C; ++c) _mm512_storeu_ps(o + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(o + 16 * c), inv));
