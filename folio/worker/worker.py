@@ -52,9 +52,12 @@ class KVCacheShape:
     head_major: bool = False  # the attention backend's kv_cache_head_major
 
     @property
+    def element_size(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
     def bytes_per_block(self) -> int:
-        element_size = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * element_size
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * self.element_size
 
     def allocate(self, num_blocks: int, device: torch.device) -> list[torch.Tensor]:
         """One cache per layer, always shaped [2, num_blocks, block_size, num_kv_heads, head_dim]; head-major
@@ -75,8 +78,7 @@ class KVCacheShape:
         if device.type != "cpu":
             return torch.zeros(shape, dtype=self.dtype, device=device)
         numel = math.prod(shape)
-        element_size = torch.empty((), dtype=self.dtype).element_size()
-        offset = (layer * _LAYER_LINE_STRIDE) % _LAYER_OFFSET_LINES * 64 // element_size
+        offset = (layer * _LAYER_LINE_STRIDE) % _LAYER_OFFSET_LINES * 64 // self.element_size
         backing = empty_hugepage_backed(numel + offset, self.dtype)
         return backing[offset:].zero_().view(shape)
 
