@@ -27,45 +27,14 @@ import random
 import time
 
 import torch
+from attention_kernels import BLOCK_SIZE, HEAD_DIM, NUM_HEADS, NUM_KV_HEADS, NUM_LAYERS, contiguous_tables, fused_qkv
 
 from folio.attention.backends import cpu_paged
 from folio.attention.builder import build_attn_metadata
 
-NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_LAYERS = 9, 3, 64, 16, 30  # SmolLM2's attention
-
 
 def backend_for(path: str) -> cpu_paged.CpuPagedBackend:
-    lib = ctypes.CDLL(path)
-    kernels = {}
-    for dtype, suffix in cpu_paged._SUFFIXES.items():
-        fns = []
-        for kind in ("paged", "prefill"):
-            fn = getattr(lib, f"folio_{kind}_attention_{suffix}")
-            fn.argtypes = cpu_paged._ARGTYPES[kind]
-            fn.restype = ctypes.c_int
-            fns.append(fn)
-        kernels[dtype] = cpu_paged.PagedKernels(decode=fns[0], prefill=fns[1])
-    return cpu_paged.CpuPagedBackend(kernels)
-
-
-def contiguous_tables(seq_lens: list[int]) -> tuple[list[list[int]], int]:
-    tables, next_block = [], 0
-    for seq_len in seq_lens:
-        n = -(-seq_len // BLOCK_SIZE)
-        tables.append(list(range(next_block, next_block + n)))
-        next_block += n
-    return tables, next_block
-
-
-def fused_qkv(num_tokens: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q, k, v as views of one q|k|v buffer, as the model hands them over."""
-    qkv = torch.randn(num_tokens, (NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM).to(dtype)
-    q, k, v = qkv.split([NUM_HEADS * HEAD_DIM, NUM_KV_HEADS * HEAD_DIM, NUM_KV_HEADS * HEAD_DIM], dim=1)
-    return (
-        q.view(num_tokens, NUM_HEADS, -1),
-        k.view(num_tokens, NUM_KV_HEADS, -1),
-        v.view(num_tokens, NUM_KV_HEADS, -1),
-    )
+    return cpu_paged.CpuPagedBackend(cpu_paged.paged_kernels_of(ctypes.CDLL(path)))
 
 
 def head_major_cache(num_blocks: int, dtype: torch.dtype) -> torch.Tensor:
@@ -76,7 +45,8 @@ def head_major_cache(num_blocks: int, dtype: torch.dtype) -> torch.Tensor:
 def run_decode(backends: list[cpu_paged.CpuPagedBackend], paths: list[str], dtype: torch.dtype, repeats: int) -> None:
     rng = random.Random(0)
     seq_lens = [rng.randint(110, 290) for _ in range(64)]
-    tables, num_blocks = contiguous_tables(seq_lens)
+    tables = contiguous_tables(seq_lens)
+    num_blocks = sum(len(t) for t in tables)
     longest = [list(range(-(-max(seq_lens) // BLOCK_SIZE)))]
     attn = build_attn_metadata([1] * 64, seq_lens, tables, BLOCK_SIZE)
     attn_shared = build_attn_metadata([1] * 64, seq_lens, longest * 64, BLOCK_SIZE)
@@ -120,7 +90,8 @@ def main() -> None:
         return
     rng = random.Random(0)
     seq_lens = [rng.randint(*ns.prompt_len) for _ in range(ns.num_prompts)]
-    tables, num_blocks = contiguous_tables(seq_lens)
+    tables = contiguous_tables(seq_lens)
+    num_blocks = sum(len(t) for t in tables)
     cache = head_major_cache(num_blocks + 1, dtype).zero_()
     attn = build_attn_metadata(seq_lens, seq_lens, tables, BLOCK_SIZE)
     num_tokens = sum(seq_lens)

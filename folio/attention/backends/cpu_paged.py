@@ -52,8 +52,11 @@ def load_paged_attention_kernel() -> dict[torch.dtype, PagedKernels] | None:
     """The C entry points by K/V cache dtype, or None where no compiler is available (the selector then picks
     the torch backend)."""
     lib = load_kernel_library("cpu_kernels")
-    if lib is None:
-        return None
+    return None if lib is None else paged_kernels_of(lib)
+
+
+def paged_kernels_of(lib: ctypes.CDLL) -> dict[torch.dtype, PagedKernels]:
+    """The entry points of a loaded kernel library (benchmarks load other builds of it side by side)."""
     kernels = {}
     for dtype, suffix in _SUFFIXES.items():
         fns = []
