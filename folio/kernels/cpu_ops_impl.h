@@ -15,29 +15,45 @@ static void CAT(rms_norm_body_, SUFFIX)(const ELEM_T *x, int64_t x_stride, const
 #pragma omp for
     for (int64_t t = 0; t < num_rows; ++t) {
         const ELEM_T *xr = x + t * x_stride;
-        const ELEM_T *src = xr;
+        const ELEM_T *rr = residual != NULL ? residual + t * hidden : NULL;
+        ELEM_T *ro = residual != NULL ? residual_out + t * hidden : NULL;
+        const ELEM_T *src = residual != NULL ? ro : xr;
         float sum_sq = 0.0f;
-        if (residual != NULL) {
-            const ELEM_T *rr = residual + t * hidden;
-            ELEM_T *ro = residual_out + t * hidden;
-#pragma omp simd reduction(+ : sum_sq)
-            for (int64_t j = 0; j < hidden; ++j) {
-                const float s = ROUND(LOAD(xr[j]) + LOAD(rr[j]));
-                ro[j] = STORE(s);
-                sum_sq += s * s;
+        int64_t j = 0;
+#ifdef __AVX512F__
+        /* 16 at a time, two sums: gcc's `omp simd reduction` of this loop kept its partial sums in a stack array
+         * and ran 2.3x slower (13.3 against 5.7 us for 64 x 576 bf16 rows, one thread) */
+        __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
+        for (; j + 32 <= hidden; j += 32) {
+            __m512 s0 = VLOAD16(xr + j), s1 = VLOAD16(xr + j + 16);
+            if (rr != NULL) {
+                s0 = VROUND16(_mm512_add_ps(s0, VLOAD16(rr + j)));
+                s1 = VROUND16(_mm512_add_ps(s1, VLOAD16(rr + j + 16)));
+                VSTORE16(ro + j, s0);
+                VSTORE16(ro + j + 16, s1);
             }
-            src = ro;
-        } else {
-#pragma omp simd reduction(+ : sum_sq)
-            for (int64_t j = 0; j < hidden; ++j) {
-                const float s = LOAD(xr[j]);
-                sum_sq += s * s;
+            sum0 = _mm512_fmadd_ps(s0, s0, sum0);
+            sum1 = _mm512_fmadd_ps(s1, s1, sum1);
+        }
+        sum_sq = _mm512_reduce_add_ps(_mm512_add_ps(sum0, sum1));
+#endif
+        for (; j < hidden; ++j) {
+            float v = LOAD(xr[j]);
+            if (rr != NULL) {
+                v = ROUND(v + LOAD(rr[j]));
+                ro[j] = STORE(v);
             }
+            sum_sq += v * v;
         }
         const float inv_rms = 1.0f / sqrtf(sum_sq / (float)hidden + eps);
         ELEM_T *o = out + t * hidden;
-#pragma omp simd
-        for (int64_t j = 0; j < hidden; ++j) o[j] = STORE(LOAD(weight[j]) * ROUND(LOAD(src[j]) * inv_rms));
+        j = 0;
+#ifdef __AVX512F__
+        const __m512 inv = _mm512_set1_ps(inv_rms);
+        for (; j + 16 <= hidden; j += 16)
+            VSTORE16(o + j, _mm512_mul_ps(VLOAD16(weight + j), VROUND16(_mm512_mul_ps(VLOAD16(src + j), inv))));
+#endif
+        for (; j < hidden; ++j) o[j] = STORE(LOAD(weight[j]) * ROUND(LOAD(src[j]) * inv_rms));
     }
 }
 
@@ -86,8 +102,21 @@ static inline void CAT(rotary_row_, SUFFIX)(ELEM_T *x, const ELEM_T *c, const EL
     const int64_t half = head_dim / 2;
     for (int64_t h = 0; h < num_heads; ++h) {
         ELEM_T *xh = x + h * head_dim;
-#pragma omp simd
-        for (int64_t i = 0; i < half; ++i) {
+        int64_t i = 0;
+#ifdef __AVX512F__
+        /* 16 at a time: gcc's `omp simd` version of the loop below ran at a third of this speed */
+        for (; i + 16 <= half; i += 16) {
+            const __m512 x1 = VLOAD16(xh + i), x2 = VLOAD16(xh + i + half);
+            /* round(-x2 * s) = -round(x2 * s), and a + (-b) = a - b exactly */
+            const __m512 lo = _mm512_sub_ps(VROUND16(_mm512_mul_ps(x1, VLOAD16(c + i))),
+                                            VROUND16(_mm512_mul_ps(x2, VLOAD16(s + i))));
+            const __m512 hi = _mm512_add_ps(VROUND16(_mm512_mul_ps(x2, VLOAD16(c + i + half))),
+                                            VROUND16(_mm512_mul_ps(x1, VLOAD16(s + i + half))));
+            VSTORE16(xh + i, lo);
+            VSTORE16(xh + i + half, hi);
+        }
+#endif
+        for (; i < half; ++i) {
             const float x1 = LOAD(xh[i]), x2 = LOAD(xh[i + half]);
             xh[i] = STORE(ROUND(x1 * LOAD(c[i])) + ROUND(-x2 * LOAD(s[i])));
             xh[i + half] = STORE(ROUND(x2 * LOAD(c[i + half])) + ROUND(x1 * LOAD(s[i + half])));

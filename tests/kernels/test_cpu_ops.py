@@ -33,12 +33,13 @@ def _assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 7, 300])  # 300 x 576 crosses the threshold for running on all threads
-def test_rms_norm_with_and_without_residual(dtype: torch.dtype, rows: int) -> None:
+@pytest.mark.parametrize("hidden", [576, 100])  # 100: the vector loops' scalar tails
+def test_rms_norm_with_and_without_residual(dtype: torch.dtype, rows: int, hidden: int) -> None:
     gen = torch.Generator().manual_seed(rows)
-    norm = RMSNorm(576, 1e-5)
-    norm.weight.data = (torch.randn(576, generator=gen) * 0.5 + 1).to(dtype)
-    x = (torch.randn(rows, 576, generator=gen) * 3).to(dtype)
-    residual = torch.randn(rows, 576, generator=gen).to(dtype)
+    norm = RMSNorm(hidden, 1e-5)
+    norm.weight.data = (torch.randn(hidden, generator=gen) * 0.5 + 1).to(dtype)
+    x = (torch.randn(rows, hidden, generator=gen) * 3).to(dtype)
+    residual = torch.randn(rows, hidden, generator=gen).to(dtype)
     out, summed = _ops(dtype).rms_norm(x, norm.weight, norm.eps, residual)
     assert summed is not None
     _assert_close(summed, x + residual)
@@ -72,7 +73,7 @@ def test_silu_and_mul(dtype: torch.dtype, rows: int) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("head_dim", [64, 16])
+@pytest.mark.parametrize("head_dim", [64, 48, 16])  # 48: 16 at a time, then a scalar tail
 def test_rotary_in_place_on_a_fused_qkv_view(dtype: torch.dtype, head_dim: int) -> None:
     gen = torch.Generator().manual_seed(head_dim)
     num_heads, num_kv_heads, rows = 9, 3, 37
