@@ -9,7 +9,7 @@
  *
  * The phases call the same bodies as the per-op kernels (cpu_ops_impl.h, cpu_gemm_impl.h,
  * paged_attention_cpu_impl.h) in the same order with the same roundings, so the fused decoder's output is
- * bit-identical to the layer-by-layer path (tests/kernels/test_llama_cpu.py checks it); that path stays the
+ * bit-identical to the layer-by-layer path (tests/model/test_cpu_fused.py checks it); that path stays the
  * reference and the CUDA path. Layer math, per layer l (h: the residual stream, kept in place in `hidden`):
  *   normed = rms_norm(l == 0 ? h : proj + h)  (h updated to proj + h)
  *   q|k|v  = normed @ Wqkv^T (+ bias);  rotary(q, k);  k, v -> cache;  attn = attention(q, cache)
