@@ -34,8 +34,7 @@ def _madvise() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
 def empty_hugepage_backed(numel: int, dtype: torch.dtype) -> torch.Tensor:
     """An uninitialized 1-D CPU tensor of numel elements, starting on a 2 MiB boundary and advised to use huge
     pages (a no-op where that is not possible: the tensor is the same either way)."""
-    element_size = torch.empty((), dtype=dtype).element_size()
-    nbytes = numel * element_size
+    nbytes = numel * dtype.itemsize
     raw = torch.empty(nbytes + _HUGE_PAGE, dtype=torch.uint8)
     start = -raw.data_ptr() % _HUGE_PAGE
     aligned = raw[start : start + nbytes]

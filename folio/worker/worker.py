@@ -52,12 +52,8 @@ class KVCacheShape:
     head_major: bool = False  # the attention backend's kv_cache_head_major
 
     @property
-    def element_size(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
-
-    @property
     def bytes_per_block(self) -> int:
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * self.element_size
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
 
     def allocate(self, num_blocks: int, device: torch.device) -> list[torch.Tensor]:
         """One cache per layer, always shaped [2, num_blocks, block_size, num_kv_heads, head_dim]; head-major
@@ -78,7 +74,7 @@ class KVCacheShape:
         if device.type != "cpu":
             return torch.zeros(shape, dtype=self.dtype, device=device)
         numel = math.prod(shape)
-        offset = (layer * _LAYER_LINE_STRIDE) % _LAYER_OFFSET_LINES * 64 // self.element_size
+        offset = (layer * _LAYER_LINE_STRIDE) % _LAYER_OFFSET_LINES * 64 // self.dtype.itemsize
         backing = empty_hugepage_backed(numel + offset, self.dtype)
         return backing[offset:].zero_().view(shape)
 
