@@ -95,6 +95,64 @@ class IncrementalDetokenizer:
         return _slow_tokens_to_string(self.tokenizer, tokens, self.spaces_between_special_tokens)
 
 
+class StreamDetokenizer:
+    """IncrementalDetokenizer's contract on a fast tokenizer, through the Rust tokenizers' own DecodeStream (the
+    same prefix / read offsets, kept in Rust): one call per token where the Python offsets cost three
+    (convert_ids_to_tokens and two convert_tokens_to_string). W1's 8192 output tokens: 29 -> 7 ms."""
+
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool = True) -> None:
+        from tokenizers.decoders import DecodeStream
+
+        self._backend = tokenizer._tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        self._stream = DecodeStream(
+            ids=prompt_token_ids[-(_INITIAL_CONTEXT_TOKENS + 2) :], skip_special_tokens=skip_special_tokens
+        )
+        self._held: list[int] = []  # ids since the last text the stream gave: an incomplete character
+        self.output_text = ""
+        self.output_token_ids: list[int] = []
+
+    def update(self, new_token_ids: list[int]) -> str:
+        """Append ``new_token_ids``; return the newly final text (possibly "" while a character is incomplete)."""
+        pieces: list[str] = []
+        for token_id in new_token_ids:
+            self.output_token_ids.append(token_id)
+            chunk = self._stream.step(self._backend, token_id)
+            if chunk is None:
+                self._held.append(token_id)
+            else:
+                self._held.clear()
+                pieces.append(chunk)
+        text = "".join(pieces)
+        self.output_text += text
+        return text
+
+    def flush(self) -> str:
+        """Emit whatever is held back (an incomplete character, as U+FFFD) when the sequence is finished."""
+        text = (
+            str(self._backend.decode(self._held, skip_special_tokens=self._skip_special_tokens)) if self._held else ""
+        )
+        self._held.clear()
+        self.output_text += text
+        return text
+
+
+def make_detokenizer(
+    tokenizer: Any,
+    prompt_token_ids: list[int],
+    skip_special_tokens: bool = True,
+    spaces_between_special_tokens: bool = True,
+) -> IncrementalDetokenizer | StreamDetokenizer:
+    """The Rust DecodeStream where the tokenizer is a fast one (spaces_between_special_tokens only matters to slow
+    tokenizers) and the prompt's context tokens decode to whole characters, else the Python offsets: a stream
+    primed with half a character gave the prompt's text back with the first output token."""
+    if getattr(tokenizer, "is_fast", False) and hasattr(tokenizer, "_tokenizer"):
+        context = prompt_token_ids[-(_INITIAL_CONTEXT_TOKENS + 2) :]
+        if _REPLACEMENT_CHAR not in tokenizer._tokenizer.decode(context, skip_special_tokens=False):
+            return StreamDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens)
+    return IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens, spaces_between_special_tokens)
+
+
 def _slow_tokens_to_string(tokenizer: Any, tokens: list[str], spaces_between_special_tokens: bool) -> str:
     """Decode runs of ordinary tokens separately from added tokens, then join (slow tokenizers only)."""
     added_vocab = tokenizer.get_added_vocab()

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from folio.core.sched_output import EngineCoreOutput, LogprobsLists
-from folio.engine.detokenizer import IncrementalDetokenizer, decode_token
+from folio.engine.detokenizer import IncrementalDetokenizer, StreamDetokenizer, decode_token, make_detokenizer
 from folio.engine.input_processor import ProcessedPrompt, child_request_id
 from folio.engine.stop_checker import check_stop_strings, stop_string_holdback
 from folio.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput, SampleLogprobs
@@ -29,7 +29,7 @@ class SampleState:
     """One of the n sequences of a request."""
 
     index: int
-    detokenizer: IncrementalDetokenizer
+    detokenizer: IncrementalDetokenizer | StreamDetokenizer
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     logprobs: SampleLogprobs | None = None
@@ -73,7 +73,7 @@ class OutputProcessor:
         samples = {}
         for index in range(params.n):
             child_id = child_request_id(request_id, index, params.n)
-            detok = IncrementalDetokenizer(
+            detok = make_detokenizer(
                 self.tokenizer,
                 prompt.prompt_token_ids,
                 params.skip_special_tokens,
