@@ -26,20 +26,31 @@ from folio.model.loader import default_model_path, read_model_spec
 W1 = Path(__file__).resolve().parents[2] / "shared" / "workloads" / "w1_prompts.json"
 
 
-def run_transformers(prompts: list[list[int]], output_len: int, batch_size: int, pad_id: int) -> float:
+def run_transformers(
+    prompts: list[list[int]],
+    output_len: int,
+    batch_size: int,
+    pad_id: int,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+) -> float:
     """Static batches, left-padded; returns output tokens per second."""
     from transformers import AutoModelForCausalLM
 
     directory, filename = os.path.split(default_model_path())
-    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=filename, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=filename, dtype=dtype).to(device).eval()
     num_out = 0
+    if device != "cpu":  # one short batch first: CUDA's lazy init and kernel selection stay out of the time
+        with torch.inference_mode():
+            model.generate(input_ids=torch.tensor([prompts[0]], device=device), max_new_tokens=4, pad_token_id=pad_id)
+        torch.cuda.synchronize()
     start = time.perf_counter()
     with torch.inference_mode():
         for i in range(0, len(prompts), batch_size):
             batch = prompts[i : i + batch_size]
             width = max(len(p) for p in batch)
-            ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in batch])
-            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+            ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in batch], device=device)
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=device)
             out = model.generate(
                 input_ids=ids,
                 attention_mask=mask,

@@ -15,6 +15,11 @@ from typing import Any
 import pytest
 import torch
 
+# Without a GPU, the Triton kernel's tests run on CPU tensors through Triton's interpreter. It must be on before
+# triton is first imported (transformers imports it too): triton.language's own jit functions are built then.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from folio.model.loader import default_model_path as folio_default_model_path
 from folio.model.loader import load_tokenizer
 

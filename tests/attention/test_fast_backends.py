@@ -1,7 +1,10 @@
-"""The fast backends (TorchBatchedBackend, the CPU C kernel) against the reference oracle on random paged batches."""
+"""The fast backends (TorchBatchedBackend, the CPU C kernel, the Triton kernel) against the reference oracle on
+random paged batches. The Triton kernel runs on CUDA where there is a GPU, else on CPU tensors through Triton's
+interpreter (skipped where triton is not installed)."""
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -11,19 +14,32 @@ from folio.attention.backends.base import AttentionBackend
 from folio.attention.backends.cpu_paged import CpuPagedBackend, load_paged_attention_kernel
 from folio.attention.backends.torch_batched import TorchBatchedBackend
 from folio.attention.backends.torch_ref import TorchReferenceBackend
+from folio.attention.backends.triton_paged import TritonPagedBackend, triton_available
 from folio.attention.builder import build_attn_metadata
 from folio.attention.selector import get_attention_backend
+
+# The device-agnostic backends run on the GPU where there is one.
+ACCEL_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def _make_backend(name: str) -> AttentionBackend:
     if name == "torch_batched":
         return TorchBatchedBackend()
+    if name == "triton_paged":
+        if not triton_available():
+            pytest.skip("triton is not installed")
+        assert ACCEL_DEVICE.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1", "set in tests/conftest.py"
+        return TritonPagedBackend()
     kernel = load_paged_attention_kernel()
     assert kernel is not None, "the CPU kernel must build here (gcc is part of this machine and of CI)"
     return CpuPagedBackend(kernel)
 
 
-@pytest.fixture(params=["torch_batched", "cpu_paged"])
+def _device_of(backend_name: str) -> torch.device:
+    return torch.device("cpu") if backend_name == "cpu_paged" else ACCEL_DEVICE
+
+
+@pytest.fixture(params=["torch_batched", "cpu_paged", "triton_paged"])
 def backend_name(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
@@ -56,20 +72,25 @@ def _compare(
     query = torch.randn(num_tokens, num_heads, head_dim, generator=gen)
     key = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen)
     value = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen)
+    scale = head_dim**-0.5
+    ref_cache = kv_cache.clone()
+    expected = TorchReferenceBackend().forward(
+        query, key, value, ref_cache, build_attn_metadata(query_lens, seq_lens, tables, block_size), scale
+    )
+    device = _device_of(backend_name)
+    query, key, value, kv_cache = (t.to(device) for t in (query, key, value, kv_cache))
     if fused_qkv:
         query, key, value = _as_fused_views(query, key, value)
-    attn = build_attn_metadata(query_lens, seq_lens, tables, block_size)
-    scale = head_dim**-0.5
-    ref_cache, fast_cache = kv_cache.clone(), kv_cache.clone()
+    fast_cache = kv_cache.clone()
     if head_major:  # the same values in head-major storage, as the worker allocates for the CPU kernel
-        fast_cache = torch.empty(2, num_blocks, num_kv_heads, block_size, head_dim).transpose(2, 3)
+        fast_cache = torch.empty(2, num_blocks, num_kv_heads, block_size, head_dim, device=device).transpose(2, 3)
         fast_cache.copy_(kv_cache)
-    expected = TorchReferenceBackend().forward(query, key, value, ref_cache, attn, scale)
+    attn = build_attn_metadata(query_lens, seq_lens, tables, block_size, device)
     backend = _make_backend(backend_name)
     for _ in range(2):  # the second call reuses the step plan, as the model's next layer does
         out = backend.forward(query, key, value, fast_cache, attn, scale)
-        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(fast_cache, ref_cache, rtol=0, atol=0)
+        torch.testing.assert_close(out.cpu(), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fast_cache.cpu(), ref_cache, rtol=0, atol=0)
 
 
 def _as_fused_views(
@@ -126,6 +147,7 @@ def test_head_major_cache(seed: int) -> None:
     block_size = rng.choice([1, 4, 16])
     _compare("cpu_paged", query_lens, seq_lens, block_size, seed, heads=(9, 3), head_dim=64, head_major=True)
     _compare("torch_batched", query_lens, seq_lens, block_size, seed, heads=(6, 2), head_major=True)
+    _compare("triton_paged", query_lens, seq_lens, block_size, seed, heads=(9, 3), head_dim=64, head_major=True)
 
 
 def test_decode_only_batch(backend_name: str) -> None:
@@ -145,6 +167,12 @@ def test_selector_picks_the_kernel_for_cpu_float32() -> None:
     assert isinstance(get_attention_backend(torch.device("cpu"), torch.float16), TorchBatchedBackend)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_selector_picks_triton_on_cuda() -> None:
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        assert isinstance(get_attention_backend(torch.device("cuda"), dtype), TritonPagedBackend)
+
+
 def test_kernel_backend_rejects_other_dtypes() -> None:
     backend = _make_backend("cpu_paged")
     attn = build_attn_metadata([1], [1], [[0]], 4)
@@ -154,8 +182,9 @@ def test_kernel_backend_rejects_other_dtypes() -> None:
         backend.forward(q, kv, kv, torch.zeros(2, 1, 4, 2, 8, dtype=torch.float16), attn, 1.0)
 
 
+@pytest.mark.parametrize("kernel", ["cpu_paged", "triton_paged"])
 @pytest.mark.parametrize("seed", range(12))
-def test_kernel_with_bfloat16_cache(seed: int) -> None:
+def test_kernel_with_bfloat16_cache(kernel: str, seed: int) -> None:
     """A bfloat16 model: bf16 queries and cache; the oracle runs in float32 on the same (bf16-rounded) values. The
     kernel's sums are float32; what differs is the output's final rounding to bf16 and, in multi-token queries
     (the AVX512-BF16 dot-product tile), the softmax weights rounded to bf16 before they multiply V. Seeds 6-11
@@ -180,18 +209,21 @@ def test_kernel_with_bfloat16_cache(seed: int) -> None:
     query = torch.randn(num_tokens, num_heads, head_dim, generator=gen).bfloat16()
     key = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).bfloat16()
     value = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).bfloat16()
-    if seed % 2:
-        query, key, value = _as_fused_views(query, key, value)
     attn = build_attn_metadata(query_lens, seq_lens, tables, block_size)
     scale = head_dim**-0.5
     ref_cache = kv_cache.float()
     expected = TorchReferenceBackend().forward(query.float(), key.float(), value.float(), ref_cache, attn, scale)
+    device = _device_of(kernel)
+    query, key, value, kv_cache = (t.to(device) for t in (query, key, value, kv_cache))
+    if seed % 2:
+        query, key, value = _as_fused_views(query, key, value)
     fast_cache = kv_cache.clone()
     if seed % 3 == 0:  # head-major storage, as the worker allocates it
-        fast_cache = torch.empty(2, num_blocks, num_kv_heads, block_size, head_dim, dtype=torch.bfloat16)
+        fast_cache = torch.empty(2, num_blocks, num_kv_heads, block_size, head_dim, dtype=torch.bfloat16, device=device)
         fast_cache = fast_cache.transpose(2, 3)
         fast_cache.copy_(kv_cache)
-    out = _make_backend("cpu_paged").forward(query, key, value, fast_cache, attn, scale)
+    attn = build_attn_metadata(query_lens, seq_lens, tables, block_size, device)
+    out = _make_backend(kernel).forward(query, key, value, fast_cache, attn, scale)
     assert out.dtype == torch.bfloat16
-    torch.testing.assert_close(out.float(), expected, rtol=1e-2, atol=1e-2)
-    torch.testing.assert_close(fast_cache.float(), ref_cache, rtol=0, atol=0)
+    torch.testing.assert_close(out.float().cpu(), expected, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(fast_cache.float().cpu(), ref_cache, rtol=0, atol=0)

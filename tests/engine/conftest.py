@@ -17,7 +17,10 @@ import torch
 import folio.engine.llm_engine as llm_engine_module
 import folio.worker.worker as worker_module
 from folio import LLM
+from tests.engine.greedy_compare import GreedyRun, hf_greedy
+from tests.engine.prompts import all_prompt_token_ids
 
+HF_REFERENCE_NEW_TOKENS = 32
 # 512 MiB of KV (~11.6k tokens of SmolLM2) per engine: several engines live in one session, also on a GPU.
 TEST_KV_BYTES = 512 * 2**20
 
@@ -41,6 +44,12 @@ def _memoized_loading() -> Iterator[None]:
 def llm() -> LLM:
     """The default engine: SmolLM2 in float32 with default settings."""
     return LLM(dtype="float32", kv_cache_memory_bytes=TEST_KV_BYTES)
+
+
+@pytest.fixture(scope="session")
+def hf_reference(hf_model: Any, tokenizer: Any) -> list[GreedyRun]:
+    """transformers' float32 greedy runs over tests/engine/prompts.py: the reference every engine is held to."""
+    return [hf_greedy(hf_model, ids, HF_REFERENCE_NEW_TOKENS) for ids in all_prompt_token_ids(tokenizer)]
 
 
 @pytest.fixture()

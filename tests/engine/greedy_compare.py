@@ -4,6 +4,9 @@ other's top-5 logprobs at that step (after it the two sequences continue from di
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
+
+import torch
 
 
 @dataclass
@@ -32,3 +35,18 @@ def compare_greedy(reference: GreedyRun, candidate: GreedyRun, label: str = "") 
             return f"diverged@{step}"
     assert len(reference.token_ids) == len(candidate.token_ids), f"{label}: lengths differ"
     return "identical"
+
+
+@torch.inference_mode()
+def hf_greedy(model: Any, prompt_ids: list[int], num_new: int) -> GreedyRun:
+    """Greedy decoding with a transformers model and its own KV cache; EOS does not stop it."""
+    out = model(torch.tensor([prompt_ids]), use_cache=True)
+    tokens: list[int] = []
+    top5: list[set[int]] = []
+    for _ in range(num_new):
+        logits = out.logits[0, -1].float()
+        token = int(torch.argmax(logits))
+        tokens.append(token)
+        top5.append(set(torch.topk(logits, 5).indices.tolist()))
+        out = model(torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
+    return GreedyRun(tokens, top5)

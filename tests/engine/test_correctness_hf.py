@@ -4,42 +4,17 @@ from __future__ import annotations
 
 from typing import Any
 
-import pytest
-import torch
-
 from folio import LLM, SamplingParams
-from tests.engine.conftest import assert_no_leaks
+from tests.engine.conftest import HF_REFERENCE_NEW_TOKENS, assert_no_leaks
 from tests.engine.greedy_compare import GreedyRun, compare_greedy, from_folio_output
 from tests.engine.prompts import all_prompt_token_ids
-
-NUM_NEW_TOKENS = 32
-
-
-@torch.inference_mode()
-def hf_greedy(model: Any, prompt_ids: list[int], num_new: int) -> GreedyRun:
-    """Greedy decoding with the transformers model and its own KV cache; EOS does not stop it."""
-    out = model(torch.tensor([prompt_ids]), use_cache=True)
-    tokens: list[int] = []
-    top5: list[set[int]] = []
-    for _ in range(num_new):
-        logits = out.logits[0, -1].float()
-        token = int(torch.argmax(logits))
-        tokens.append(token)
-        top5.append(set(torch.topk(logits, 5).indices.tolist()))
-        out = model(torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
-    return GreedyRun(tokens, top5)
-
-
-@pytest.fixture(scope="module")
-def hf_reference(hf_model: Any, tokenizer: Any) -> list[GreedyRun]:
-    return [hf_greedy(hf_model, ids, NUM_NEW_TOKENS) for ids in all_prompt_token_ids(tokenizer)]
 
 
 def test_greedy_batch_matches_transformers(llm: LLM, tokenizer: Any, hf_reference: list[GreedyRun]) -> None:
     prompts = all_prompt_token_ids(tokenizer)
     assert len(prompts) >= 8
     assert len({len(p) for p in prompts}) >= 8, "prompts of varied length"
-    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True, logprobs=5)
+    params = SamplingParams(temperature=0.0, max_tokens=HF_REFERENCE_NEW_TOKENS, ignore_eos=True, logprobs=5)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     verdicts = [
         compare_greedy(ref, from_folio_output(out), f"prompt {i}")
