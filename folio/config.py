@@ -57,8 +57,9 @@ class ModelConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     seed: int = 0
     model_impl: str = "auto"  # one of MODEL_IMPLS
-    # True: run the model layer by layer in Python (vLLM's flag: on CUDA it skips graph capture; here it skips the
-    # fused CPU decoder, folio/model/cpu_fused.py). For comparisons and debugging; outputs are the same.
+    # True: run the model layer by layer in Python, as vLLM's flag does: on CUDA no decode steps replayed from
+    # captured graphs (folio/worker/decode_graphs.py), on the CPU no fused decoder (folio/model/cpu_fused.py). For
+    # comparisons and debugging; outputs are the same.
     enforce_eager: bool = False
 
     def __post_init__(self) -> None:
@@ -96,7 +97,7 @@ class EngineArgs:
     long_prefill_token_threshold: int = 0
     device: str = "auto"
     model_impl: str = "auto"  # "noop": engine-overhead benchmarks only (constant logits, no weights loaded)
-    enforce_eager: bool = False  # layer-by-layer model on the CPU instead of the fused decoder
+    enforce_eager: bool = False  # layer by layer: no CUDA graphs on CUDA, no fused decoder on the CPU
 
     def create_engine_config(self, model_path: str, model_max_len: int) -> EngineConfig:
         """Resolve defaults that depend on the model; ``model_max_len`` is the model's context length."""

@@ -15,6 +15,7 @@ from folio.sample.logprobs import compute_prompt_logprobs
 from folio.sample.metadata import SamplingMetadata
 from folio.sample.sampler import Sampler
 from folio.step_timer import FORWARD, PREPARE_INPUTS, SAMPLE, StepTimer
+from folio.worker.decode_graphs import DecodeGraphs
 from folio.worker.input_batch import ModelInput, prepare_model_input
 from folio.worker.request_state import CachedRequestState, RequestStates
 
@@ -47,6 +48,23 @@ class ModelRunner:
         self.requests = RequestStates()
         self.sampler = Sampler()
         self.step_timer: StepTimer | None = None  # set only by profiling benchmarks (folio.step_timer)
+        self.decode_graphs: DecodeGraphs | None = None  # set by enable_decode_graphs
+
+    def enable_decode_graphs(self, max_num_seqs: int, max_model_len: int, scratch_slot: int, capture: bool) -> None:
+        """Runs decode-only steps through DecodeGraphs from now on: captured CUDA graphs, or (capture=False) the
+        same padded forward run eagerly. scratch_slot is a KV slot no request owns (padding writes there)."""
+        graphs = DecodeGraphs(
+            self.model,
+            self.kv_caches,
+            self.block_size,
+            max_num_seqs,
+            max_model_len,
+            scratch_slot,
+            self.device,
+            capture,
+        )
+        graphs.capture_all()
+        self.decode_graphs = graphs
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -63,7 +81,10 @@ class ModelRunner:
         timer = self.step_timer
         if timer is not None:
             timer.lap(PREPARE_INPUTS)
-        hidden = self.model(model_input.input_ids, model_input.positions, self.kv_caches, model_input.attn)
+        if self.decode_graphs is not None and self.decode_graphs.can_run(model_input):
+            hidden = self.decode_graphs.run(model_input)
+        else:
+            hidden = self.model(model_input.input_ids, model_input.positions, self.kv_caches, model_input.attn)
         rows = hidden[model_input.logits_indices]  # [S + P, hidden]
         num_sampled = len(model_input.sample_req_ids)
         states = [self.requests[r] for r in model_input.sample_req_ids]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from dataclasses import dataclass
 
 import torch
@@ -98,12 +99,34 @@ class Worker:
         self._report_capacity(num_blocks)
         # The no-op model never touches K/V, so its KV cache is accounted (blocks) but not allocated.
         noop = isinstance(self.model, NoopCausalLM)
+        # One block past the scheduler's num_blocks is scratch: padded rows of a CUDA-graph step write there.
         self.model_runner = ModelRunner(
             self.model,
-            [] if noop else self.kv_shape.allocate(num_blocks, self.device),
+            [] if noop else self.kv_shape.allocate(num_blocks + 1, self.device),
             config.cache_config.block_size,
             self.spec.vocab_size,
             self.device,
+        )
+        if self._wants_decode_graphs():
+            self._capture_decode_graphs(num_blocks * config.cache_config.block_size)
+
+    def _wants_decode_graphs(self) -> bool:
+        """CUDA, not enforce_eager, a real model whose attention backend can be captured (TritonPagedBackend)."""
+        return (
+            self.device.type == "cuda"
+            and not self.config.model_config.enforce_eager
+            and isinstance(self.model, LlamaForCausalLM)
+            and getattr(self.model.attn_backend, "supports_cuda_graphs", False)
+        )
+
+    def _capture_decode_graphs(self, scratch_slot: int) -> None:
+        sched = self.config.scheduler_config
+        start = time.perf_counter()
+        self.model_runner.enable_decode_graphs(sched.max_num_seqs, sched.max_model_len, scratch_slot, capture=True)
+        graphs = self.model_runner.decode_graphs
+        assert graphs is not None
+        logger.info(
+            "Captured CUDA graphs for decode batches of %s in %.1f s", graphs.sizes, time.perf_counter() - start
         )
 
     def _load(self) -> tuple[LlamaForCausalLM | NoopCausalLM, ModelSpec]:

@@ -34,6 +34,7 @@ def _next_power_of_2(n: int) -> int:
 
 class TritonPagedBackend:
     kv_cache_head_major = False
+    supports_cuda_graphs = True  # reads only device tensors and sizes fixed by the batch shape (DecodeGraphs)
 
     # Rows of a program's tile (query tokens x the GQA group, padded to a power of two) and positions per K/V
     # tile: 16 x 64 keeps a tile in registers with head_dim up to 128; tl.dot needs every side >= 16.

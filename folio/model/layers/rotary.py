@@ -53,7 +53,9 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] int64 -> cos, sin [T, head_dim] in dtype (angles computed in float32)."""
-        inv_freq = self.inv_freq.to(positions.device)
+        if self.inv_freq.device != positions.device:  # moved once: a copy per step would break CUDA-graph capture
+            self.inv_freq = self.inv_freq.to(positions.device)
+        inv_freq = self.inv_freq
         freqs = positions[:, None].float() * inv_freq[None, :]  # [T, head_dim / 2]
         angles = torch.cat((freqs, freqs), dim=-1)  # [T, head_dim]
         return angles.cos().to(dtype), angles.sin().to(dtype)
