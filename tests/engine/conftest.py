@@ -16,8 +16,8 @@ import torch
 
 import folio.engine.llm_engine as llm_engine_module
 import folio.worker.worker as worker_module
-from folio import LLM
-from tests.engine.greedy_compare import GreedyRun, hf_greedy
+from folio import LLM, SamplingParams
+from tests.engine.greedy_compare import GreedyRun, compare_greedy, from_folio_output, hf_greedy
 from tests.engine.prompts import all_prompt_token_ids
 
 HF_REFERENCE_NEW_TOKENS = 32
@@ -50,6 +50,18 @@ def llm() -> LLM:
 def hf_reference(hf_model: Any, tokenizer: Any) -> list[GreedyRun]:
     """transformers' float32 greedy runs over tests/engine/prompts.py: the reference every engine is held to."""
     return [hf_greedy(hf_model, ids, HF_REFERENCE_NEW_TOKENS) for ids in all_prompt_token_ids(tokenizer)]
+
+
+def greedy_verdicts(llm: LLM, tokenizer: Any, hf_reference: list[GreedyRun]) -> list[str]:
+    """``llm``'s greedy runs over the reference prompts, each held to transformers' by compare_greedy (which raises
+    where the top-5 rule fails): one verdict per prompt, 'identical' or 'diverged@step'."""
+    prompts = all_prompt_token_ids(tokenizer)
+    params = SamplingParams(temperature=0.0, max_tokens=HF_REFERENCE_NEW_TOKENS, ignore_eos=True, logprobs=5)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [
+        compare_greedy(ref, from_folio_output(out), f"prompt {i}")
+        for i, (ref, out) in enumerate(zip(hf_reference, outputs, strict=True))
+    ]
 
 
 @pytest.fixture()

@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from folio import LLM, SamplingParams
-from tests.engine.conftest import HF_REFERENCE_NEW_TOKENS, assert_no_leaks
-from tests.engine.greedy_compare import GreedyRun, compare_greedy, from_folio_output
+from tests.engine.conftest import assert_no_leaks, greedy_verdicts
+from tests.engine.greedy_compare import GreedyRun
 from tests.engine.prompts import all_prompt_token_ids
 
 
@@ -14,12 +14,7 @@ def test_greedy_batch_matches_transformers(llm: LLM, tokenizer: Any, hf_referenc
     prompts = all_prompt_token_ids(tokenizer)
     assert len(prompts) >= 8
     assert len({len(p) for p in prompts}) >= 8, "prompts of varied length"
-    params = SamplingParams(temperature=0.0, max_tokens=HF_REFERENCE_NEW_TOKENS, ignore_eos=True, logprobs=5)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    verdicts = [
-        compare_greedy(ref, from_folio_output(out), f"prompt {i}")
-        for i, (ref, out) in enumerate(zip(hf_reference, outputs, strict=True))
-    ]
+    verdicts = greedy_verdicts(llm, tokenizer, hf_reference)
     print("per-prompt verdicts:", verdicts)
     # float noise may flip a near-tie, but most prompts must match exactly
     assert verdicts.count("identical") >= len(verdicts) - 2, verdicts

@@ -15,9 +15,8 @@ import torch
 
 from folio import LLM, SamplingParams
 from folio.attention.backends.triton_paged import TritonPagedBackend
-from tests.engine.conftest import HF_REFERENCE_NEW_TOKENS, assert_no_leaks
-from tests.engine.greedy_compare import GreedyRun, compare_greedy, from_folio_output
-from tests.engine.prompts import all_prompt_token_ids
+from tests.engine.conftest import assert_no_leaks, greedy_verdicts
+from tests.engine.greedy_compare import GreedyRun
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -33,15 +32,9 @@ def test_auto_dtype_and_profiled_kv_cache_on_cuda(tokenizer: object, hf_referenc
     _free, total = torch.cuda.mem_get_info()
     assert num_blocks * worker.kv_shape.bytes_per_block <= 0.3 * total
     assert num_blocks * 16 >= 4096
-    prompts = all_prompt_token_ids(tokenizer)
-    params = SamplingParams(temperature=0.0, max_tokens=HF_REFERENCE_NEW_TOKENS, ignore_eos=True, logprobs=5)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    verdicts = [
-        compare_greedy(ref, from_folio_output(out), f"prompt {i}")
-        for i, (ref, out) in enumerate(zip(hf_reference, outputs, strict=True))
-    ]
+    verdicts = greedy_verdicts(llm, tokenizer, hf_reference)
     print("bfloat16 on CUDA vs transformers float32:", verdicts)
-    assert "identical" in verdicts or all(v != "diverged@0" for v in verdicts), verdicts
+    assert verdicts.count("identical") >= 3, verdicts  # 5 and 6 of 11 in the H200 runs (docs/performance.md)
     seeded = SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=12, ignore_eos=True)
     first = llm.generate(["Once upon a time"], seeded, use_tqdm=False)[0]
     again = llm.generate(
