@@ -66,8 +66,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--enforce-eager",
         action="store_true",
-        help="run the model layer by layer in Python instead of the fused CPU decoder (one C call per step); "
-        "the outputs are the same, for comparisons and debugging",
+        help="run the model layer by layer in Python: on the CPU instead of the fused decoder (one C call per "
+        "step), on CUDA without the decode steps' CUDA graphs; the outputs are the same, for comparisons and "
+        "debugging",
     )
 
 
