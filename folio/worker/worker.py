@@ -84,6 +84,8 @@ class Worker:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.device = resolve_device(config.device)
+        if self.device.type == "cuda" and self.device.index is not None:
+            torch.cuda.set_device(self.device)  # Triton launches and graph capture use the current device
         torch.manual_seed(config.model_config.seed)
         self.model, self.spec = self._load()
         self.kv_shape = KVCacheShape(
