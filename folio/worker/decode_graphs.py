@@ -34,11 +34,11 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 
 
 @dataclass
-class _Entry:
-    """One captured size: its graph (None when running eagerly) and the output rows it writes."""
+class _Captured:
+    """One captured size: its graph and the output rows every replay writes."""
 
-    graph: torch.cuda.CUDAGraph | None
-    hidden: torch.Tensor | None  # [B, hidden] written by every replay
+    graph: torch.cuda.CUDAGraph
+    hidden: torch.Tensor  # [B, hidden]
 
 
 class DecodeGraphs:
@@ -70,7 +70,7 @@ class DecodeGraphs:
         self.seq_lens = zeros(n, dtype=torch.int32)
         self.query_start_loc = zeros(n + 1, dtype=torch.int32)
         self.block_table = zeros(n, max_blocks, dtype=torch.int32)
-        self._entries: dict[int, _Entry] = {}
+        self._captured: dict[int, _Captured] = {}  # empty when capture is False
         self._pool = None
         self.num_runs = 0  # steps served (tests check the path was taken)
 
@@ -101,7 +101,7 @@ class DecodeGraphs:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
                 hidden = self._forward(size, attn)
-            self._entries[size] = _Entry(graph, hidden)
+            self._captured[size] = _Captured(graph, hidden)
         torch.cuda.synchronize()
 
     def run(self, model_input: ModelInput) -> torch.Tensor:
@@ -114,10 +114,9 @@ class DecodeGraphs:
         if not self.capture:
             seq_lens_cpu = attn.seq_lens_cpu + [0] * (size - num_reqs)
             return self._forward(size, self._attn(size, num_reqs, seq_lens_cpu))[:num_reqs]
-        entry = self._entries[size]
-        assert entry.graph is not None and entry.hidden is not None
-        entry.graph.replay()
-        return entry.hidden[:num_reqs]
+        captured = self._captured[size]
+        captured.graph.replay()
+        return captured.hidden[:num_reqs]
 
     def _load(self, model_input: ModelInput, size: int) -> None:
         """Copies the step into the static buffers; rows num_reqs..size-1 become padding."""

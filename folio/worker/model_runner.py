@@ -50,7 +50,9 @@ class ModelRunner:
         self.step_timer: StepTimer | None = None  # set only by profiling benchmarks (folio.step_timer)
         self.decode_graphs: DecodeGraphs | None = None  # set by enable_decode_graphs
 
-    def enable_decode_graphs(self, max_num_seqs: int, max_model_len: int, scratch_slot: int, capture: bool) -> None:
+    def enable_decode_graphs(
+        self, max_num_seqs: int, max_model_len: int, scratch_slot: int, capture: bool
+    ) -> DecodeGraphs:
         """Runs decode-only steps through DecodeGraphs from now on: captured CUDA graphs, or (capture=False) the
         same padded forward run eagerly. scratch_slot is a KV slot no request owns (padding writes there)."""
         graphs = DecodeGraphs(
@@ -65,6 +67,7 @@ class ModelRunner:
         )
         graphs.capture_all()
         self.decode_graphs = graphs
+        return graphs
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:

@@ -124,9 +124,9 @@ class Worker:
     def _capture_decode_graphs(self, scratch_slot: int) -> None:
         sched = self.config.scheduler_config
         start = time.perf_counter()
-        self.model_runner.enable_decode_graphs(sched.max_num_seqs, sched.max_model_len, scratch_slot, capture=True)
-        graphs = self.model_runner.decode_graphs
-        assert graphs is not None
+        graphs = self.model_runner.enable_decode_graphs(
+            sched.max_num_seqs, sched.max_model_len, scratch_slot, capture=True
+        )
         logger.info(
             "Captured CUDA graphs for decode batches of %s in %.1f s", graphs.sizes, time.perf_counter() - start
         )

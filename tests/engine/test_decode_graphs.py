@@ -37,9 +37,8 @@ def test_padded_decode_steps_match_the_plain_engine(make_llm: Callable[..., LLM]
     runner = engine.executor.worker.model_runner
     block_size = engine.config.cache_config.block_size
     scratch_slot = engine.config.cache_config.num_blocks * block_size
-    runner.enable_decode_graphs(5, engine.config.scheduler_config.max_model_len, scratch_slot, capture=False)
-    graphs = runner.decode_graphs
-    assert graphs is not None and graphs.sizes == [1, 2, 4, 5]
+    graphs = runner.enable_decode_graphs(5, engine.config.scheduler_config.max_model_len, scratch_slot, capture=False)
+    assert runner.decode_graphs is graphs and graphs.sizes == [1, 2, 4, 5]
     got = [o.outputs[0].token_ids for o in padded.generate(PROMPTS, params, use_tqdm=False)]
     assert got == expected
     assert graphs.num_runs >= 15  # the decode-only steps with at most 5 requests
