@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import fields
 
 from folio.config import MODEL_IMPLS, SCHEDULING_POLICIES, SUPPORTED_DTYPES, EngineArgs
+from folio.kernels.isa import CPU_ISA_CHOICES
 from folio.logger import init_logger
 
 
@@ -69,6 +70,20 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="run the model layer by layer in Python: on the CPU instead of the fused decoder (one C call per "
         "step), on CUDA without the decode steps' CUDA graphs; the outputs are the same, for comparisons and "
         "debugging",
+    )
+    g.add_argument(
+        "--cpu-isa",
+        default=d.cpu_isa,
+        choices=CPU_ISA_CHOICES,
+        help="CPU: the instruction-set tier the kernels are built for; auto (default) is this CPU's best, a lower "
+        "one runs the same engine as a CPU of that tier would (for tests, benchmarks and mixed fleets)",
+    )
+    g.add_argument(
+        "--cpu-kv-prefetch-bytes",
+        type=int,
+        default=d.cpu_kv_prefetch_bytes,
+        help="CPU fused decoder: bytes of the next layer's decode K/V that a layer's GEMMs prefetch "
+        "(default: half the L3 cache; 0: off)",
     )
 
 

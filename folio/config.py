@@ -6,7 +6,9 @@ and the KV-cache size happens in ``folio.engine`` / ``folio.worker``; the result
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from folio.kernels.isa import IsaTier, cpu_info, is_x86_64, resolve_cpu_isa
 
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -70,11 +72,30 @@ class ModelConfig:
 
 
 @dataclass
+class CpuConfig:
+    """How the CPU kernels run (folio/kernels/): ignored on other devices."""
+
+    # the ISA tier the kernels are built for: "auto" (this CPU's best) or a lower one (folio/kernels/isa.py)
+    isa: str = "auto"
+    # bytes of the next layer's decode K/V that a layer's GEMMs prefetch in the fused decoder; None: half the L3
+    kv_prefetch_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        resolve_cpu_isa(self.isa, cpu_info()[1], is_x86_64())  # a clear error now, not in the engine process
+        if self.kv_prefetch_bytes is not None and self.kv_prefetch_bytes < 0:
+            raise ValueError(f"cpu_kv_prefetch_bytes must be >= 0, got {self.kv_prefetch_bytes}")
+
+    def tier(self) -> IsaTier:
+        return resolve_cpu_isa(self.isa, cpu_info()[1], is_x86_64())
+
+
+@dataclass
 class EngineConfig:
     model_config: ModelConfig
     cache_config: CacheConfig
     scheduler_config: SchedulerConfig
     device: str = "auto"  # "auto" (CUDA if available else CPU), "cpu", "cuda", "cuda:N"
+    cpu_config: CpuConfig = field(default_factory=CpuConfig)
 
 
 @dataclass
@@ -98,6 +119,8 @@ class EngineArgs:
     device: str = "auto"
     model_impl: str = "auto"  # "noop": engine-overhead benchmarks only (constant logits, no weights loaded)
     enforce_eager: bool = False  # layer by layer: no CUDA graphs on CUDA, no fused decoder on the CPU
+    cpu_isa: str = "auto"  # CPU kernels' ISA tier: auto, generic, avx2, avx512, avx512_bf16 (not above the CPU's)
+    cpu_kv_prefetch_bytes: int | None = None  # fused CPU decoder's K/V prefetch budget (None: half the L3)
 
     def create_engine_config(self, model_path: str, model_max_len: int) -> EngineConfig:
         """Resolve defaults that depend on the model; ``model_max_len`` is the model's context length."""
@@ -134,4 +157,5 @@ class EngineArgs:
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
             ),
             device=self.device,
+            cpu_config=CpuConfig(isa=self.cpu_isa, kv_prefetch_bytes=self.cpu_kv_prefetch_bytes),
         )

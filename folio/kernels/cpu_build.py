@@ -1,8 +1,9 @@
-"""Builds and loads the C kernels with the machine's C compiler, once per source and CPU, cached on disk.
+"""Builds and loads the C kernels with the machine's C compiler, once per source, ISA tier and CPU, cached on disk.
 
 Plain C through ctypes rather than a torch C++ extension: it compiles in about a second with gcc and needs no
-torch headers or ninja. ``-march=native`` is safe because the cache key includes the CPU's model and flags, so a
-library built on one CPU is never loaded on another.
+torch headers or ninja. Each library is built for one ISA tier (folio/kernels/isa.py): the CPU's own tier with
+``-march=native``, lower tiers for their generic x86-64 level. ``-march=native`` is safe because the cache key
+includes the CPU's model and flags, so a library built on one CPU is never loaded on another.
 """
 
 from __future__ import annotations
@@ -17,11 +18,12 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from folio.kernels.isa import IsaTier, compile_flags, cpu_info, detect_tier, is_x86_64
 from folio.logger import init_logger
 
 logger = init_logger()
 
-_CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
+_CFLAGS = ["-O3", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
 _LIBS = ["-lm"]
 
 
@@ -39,25 +41,36 @@ def _cache_dir() -> Path:
     return Path.home() / ".cache" / "folio" / "kernels"
 
 
-def _compile(source: Path, target: Path, compiler: str) -> None:
+def _compile(source: Path, target: Path, compiler: str, flags: list[str]) -> None:
     """Compiles to a temporary name then renames: processes building at the same time never load half a file."""
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        subprocess.run([compiler, *_CFLAGS, str(source), "-o", tmp, *_LIBS], check=True, capture_output=True, text=True)
+        subprocess.run([compiler, *flags, str(source), "-o", tmp, *_LIBS], check=True, capture_output=True, text=True)
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
 
 
+def native_tier() -> IsaTier:
+    """This CPU's best tier."""
+    return detect_tier(cpu_info()[1], is_x86_64())
+
+
 @functools.cache
-def load_kernel_library(name: str) -> ctypes.CDLL | None:
-    """The compiled library of ``folio/kernels/<name>.c``, or None (with a warning) where it cannot be built.
+def load_kernel_library(name: str, tier: IsaTier | None = None) -> ctypes.CDLL | None:
+    """The library of ``folio/kernels/<name>.c`` compiled for ``tier`` (default: this CPU's best, which it must
+    not exceed), or None (with a warning) where it cannot be built.
 
     Callers fall back to their torch path on None, so a machine without a C compiler still runs, only slower.
     """
+    native = native_tier()
+    tier = native if tier is None else tier
+    if tier > native:
+        raise ValueError(f"cannot build the {tier.flag_name} tier on a CPU whose best tier is {native.flag_name}")
+    flags = [*_CFLAGS, *compile_flags(tier, native, is_x86_64())]
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         logger.warning("no C compiler found: the %s kernel is off, torch fallback in use", name)
@@ -68,15 +81,15 @@ def load_kernel_library(name: str) -> ctypes.CDLL | None:
     parts = sorted(p for p in source.parent.iterdir() if p.suffix in (".c", ".h"))
     for part in (
         *(path.name.encode() + path.read_bytes() for path in parts),
-        " ".join(_CFLAGS + _LIBS).encode(),
+        " ".join(flags + _LIBS).encode(),
         _cpu_signature().encode(),
         compiler.encode(),
     ):
         key.update(part)
-    target = _cache_dir() / f"{name}-{key.hexdigest()[:16]}.so"
+    target = _cache_dir() / f"{name}-{tier.flag_name}-{key.hexdigest()[:16]}.so"
     try:
         if not target.exists():
-            _compile(source, target, compiler)
+            _compile(source, target, compiler, flags)
         return ctypes.CDLL(str(target))
     except (OSError, subprocess.CalledProcessError) as exc:
         detail = exc.stderr if isinstance(exc, subprocess.CalledProcessError) else exc

@@ -9,7 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h> /* sysconf: the L3 size (llama_cpu.c) */
-#ifdef __AVX512F__
+#if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 #include <omp.h>

@@ -1,6 +1,7 @@
 """Python entry points of Folio's CPU GEMM (``cpu_gemm.c``): pack a linear layer's weight once, then multiply.
 
-``load_cpu_gemm()`` is None where no C compiler can build the kernel; callers then use oneDNN or F.linear.
+A ``CpuGemm`` wraps one tier's library (folio/kernels/cpu_kernels.py); each packed weight keeps the ``CpuGemm``
+that packed it, since the packed layout belongs to that library.
 Packed weights of a whole model go into one arena backed by transparent huge pages where the kernel allows it
 (folio.kernels.hugepages): a decode step of a few requests streams every weight from memory once, and with 4 KiB
 pages the bandwidth it reached was 25-32 GB/s against 31-52 GB/s with 2 MiB pages (docs/performance.md).
@@ -9,13 +10,11 @@ pages the bandwidth it reached was 25-32 GB/s against 31-52 GB/s with 2 MiB page
 from __future__ import annotations
 
 import ctypes
-import functools
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from folio.kernels.cpu_build import load_kernel_library
 from folio.kernels.hugepages import empty_hugepage_backed
 
 _i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
@@ -30,6 +29,7 @@ class PackedWeight:
     data: torch.Tensor  # 1-D, the packed elements (a slice of an arena)
     n: int  # output features
     k: int  # input features
+    gemm: CpuGemm  # the library that packed it, and so the one that multiplies it
 
 
 class CpuGemm:
@@ -84,7 +84,7 @@ class CpuGemm:
             w = w.contiguous()
             data = arena[offset : offset + int(self._numel[dtype](n, k))]
             self._pack[dtype](w.data_ptr(), k, n, k, data.data_ptr())
-            packed.append(PackedWeight(data, n, k))
+            packed.append(PackedWeight(data, n, k, self))
         return packed
 
     def linear(
@@ -128,9 +128,3 @@ class CpuGemm:
             torch.get_num_threads(),
         )
         return out if status == 0 else None
-
-
-@functools.cache
-def load_cpu_gemm() -> CpuGemm | None:
-    lib = load_kernel_library("cpu_kernels")
-    return None if lib is None else CpuGemm(lib)

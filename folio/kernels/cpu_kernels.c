@@ -7,3 +7,20 @@
 #include "cpu_gemm.c"
 #include "paged_attention_cpu.c"
 #include "llama_cpu.c"
+
+/* The ISA tier this library was compiled for (folio/kernels/isa.py's IsaTier): decided by what the compiler was
+ * allowed to emit, never by the CPU it runs on. 0 generic, 1 AVX2 + FMA + F16C, 2 AVX-512 (F/BW/DQ/VL),
+ * 3 AVX-512 with AVX512-BF16. */
+int folio_isa_tier(void) {
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
+#ifdef __AVX512BF16__
+    return 3;
+#else
+    return 2;
+#endif
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+    return 1;
+#else
+    return 0;
+#endif
+}

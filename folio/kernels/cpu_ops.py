@@ -1,20 +1,16 @@
 """Python entry points of the fused CPU element-wise ops in ``cpu_ops.c``.
 
-``cpu_ops_for(tensor)`` answers whether a tensor can take the fused path (CPU, float32 or bfloat16, a C compiler
-present); the layers in ``folio.model.layers`` ask it and otherwise run their torch ops, so CUDA and other dtypes
-are untouched. Set ``FOLIO_CPU_FUSED_OPS=0`` to force the torch ops (to compare the two).
+A ``CpuOps`` wraps one tier's library for one dtype; the layers in ``folio.model.layers`` get it from the
+engine's ``CpuKernels`` (folio/kernels/cpu_kernels.py) where the plan chose it, and otherwise run their torch ops,
+so CUDA and other dtypes are untouched. ``--cpu-isa generic`` runs the torch ops on the CPU too (to compare).
 """
 
 from __future__ import annotations
 
 import ctypes
-import functools
-import os
 from typing import Any
 
 import torch
-
-from folio.kernels.cpu_build import load_kernel_library
 
 _i64, _f32, _int, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p
 _SIGNATURES: dict[str, list[Any]] = {
@@ -104,25 +100,6 @@ class CpuOps:
             num_kv_heads,
             head_dim,
         )
-
-
-@functools.cache
-def _load(dtype: torch.dtype) -> CpuOps | None:
-    if os.environ.get("FOLIO_CPU_FUSED_OPS", "1") == "0":
-        return None
-    lib = load_kernel_library("cpu_kernels")
-    return None if lib is None else CpuOps(lib, dtype)
-
-
-def cpu_ops_for(*tensors: torch.Tensor) -> CpuOps | None:
-    """The fused ops if every tensor is a CPU float32/bfloat16 tensor of one dtype with a contiguous last dim."""
-    dtype = tensors[0].dtype
-    if dtype not in _SUFFIXES:
-        return None
-    for t in tensors:
-        if t.device.type != "cpu" or t.dtype != dtype or t.stride(-1) != 1:
-            return None
-    return _load(dtype)
 
 
 def heads_packed(x: torch.Tensor) -> bool:

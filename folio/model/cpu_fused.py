@@ -11,15 +11,14 @@ every other device and dtype.
 from __future__ import annotations
 
 import ctypes
-import os
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from folio.attention.backends.cpu_paged import CpuPagedBackend
 from folio.attention.metadata import AttnMetadata
-from folio.kernels.cpu_build import load_kernel_library
 from folio.kernels.cpu_gemm import PackedWeight
+from folio.kernels.cpu_kernels import CpuKernels
 
 if TYPE_CHECKING:
     from folio.model.llama import LlamaModel
@@ -112,7 +111,7 @@ def _packed(module: Any) -> PackedWeight:
 class FusedCpuDecoder:
     """Runs ``LlamaModel``'s decoder layers and final norm for one step (``forward``); build with ``create``."""
 
-    def __init__(self, model: LlamaModel, backend: CpuPagedBackend, fn: Any) -> None:
+    def __init__(self, model: LlamaModel, backend: CpuPagedBackend, fn: Any, kv_prefetch_bytes: int | None) -> None:
         self._backend = backend
         self._fn = fn
         self._keep: list[torch.Tensor] = []  # float32 bias copies the C side points at
@@ -146,7 +145,7 @@ class FusedCpuDecoder:
             scale=attn.scale,
             layers=self._layers,
             final_norm=model.norm.weight.data_ptr(),
-            kv_prefetch_bytes=int(os.environ.get("FOLIO_KV_PREFETCH_BYTES", "-1")),
+            kv_prefetch_bytes=-1 if kv_prefetch_bytes is None else kv_prefetch_bytes,
         )
         self._model = model  # the weights the pointers above refer to stay alive with it
         self._caches_bound: list[torch.Tensor] | None = None
@@ -156,7 +155,8 @@ class FusedCpuDecoder:
 
     def set_kv_prefetch_bytes(self, budget: int) -> None:
         """How much of the next layer's decode K/V the GEMMs of a layer prefetch (llama_cpu.c, SidePrefetch): a
-        negative budget is half the L3 cache (the default; FOLIO_KV_PREFETCH_BYTES sets it at load), 0 is off.
+        negative budget is half the L3 cache (the default; the engine argument cpu_kv_prefetch_bytes sets it at
+        load), 0 is off.
         For A/B runs in one process (benchmarks/ab_offline.py)."""
         self._params.kv_prefetch_bytes = budget
 
@@ -166,24 +166,26 @@ class FusedCpuDecoder:
         self.phase_records = [] if on else None
 
     @classmethod
-    def create(cls, model: LlamaModel) -> FusedCpuDecoder | None:
-        """The fused decoder for ``model``, or None where it does not apply (not the CPU paged backend, weights
-        not packed by Folio's GEMM, another dtype, no compiler): the model then runs layer by layer."""
+    def create(
+        cls, model: LlamaModel, kernels: CpuKernels, kv_prefetch_bytes: int | None = None
+    ) -> FusedCpuDecoder | None:
+        """The fused decoder for ``model``, or None where it does not apply (the plan did not choose it, not the
+        CPU paged backend, weights not packed by Folio's GEMM, another dtype): the model then runs layer by
+        layer. ``kv_prefetch_bytes``: see set_kv_prefetch_bytes (None: half the L3 cache)."""
         backend = model.layers[0].self_attn.attn_backend
         dtype = model.norm.weight.dtype
+        if kernels.plan.fused_decoder != "folio" or kernels.lib is None or dtype != kernels.dtype:
+            return None
         if not isinstance(backend, CpuPagedBackend) or dtype not in _SUFFIXES or model.norm.weight.device.type != "cpu":
             return None
         linears = [m for layer in model.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj)]
         linears += [m for layer in model.layers for m in (layer.mlp.gate_up_proj, layer.mlp.down_proj)]
         if not all(isinstance(m.packed_weight, PackedWeight) for m in linears):
             return None
-        lib = load_kernel_library("cpu_kernels")
-        if lib is None:
-            return None
-        fn = getattr(lib, f"folio_llama_forward_{_SUFFIXES[dtype]}")
+        fn = getattr(kernels.lib, f"folio_llama_forward_{_SUFFIXES[dtype]}")
         fn.argtypes = [ctypes.POINTER(_ModelParams), ctypes.POINTER(_Step)]
         fn.restype = ctypes.c_int
-        return cls(model, backend, fn)
+        return cls(model, backend, fn, kv_prefetch_bytes)
 
     def _bind_caches(self, kv_caches: list[torch.Tensor]) -> None:
         """Points every layer at its cache; the caches live as long as the engine, so this runs once."""

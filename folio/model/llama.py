@@ -20,7 +20,8 @@ from torch import nn
 
 from folio.attention.backends.base import AttentionBackend
 from folio.attention.metadata import AttnMetadata
-from folio.kernels.cpu_gemm import PackedWeight, load_cpu_gemm
+from folio.kernels.cpu_gemm import PackedWeight
+from folio.kernels.cpu_kernels import CpuKernels
 from folio.model.cpu_fused import FusedCpuDecoder
 from folio.model.layers.activation import silu_and_mul
 from folio.model.layers.cpu_gemm import pack_weights, packed_linear
@@ -43,6 +44,8 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 class LlamaAttention(nn.Module):
+    cpu_kernels: CpuKernels | None = None  # the fused rotary, where the CPU plan chose it (cpu_binding.py)
+
     def __init__(self, spec: ModelSpec, attn_backend: AttentionBackend) -> None:
         super().__init__()
         self.num_heads = spec.num_attention_heads
@@ -66,14 +69,16 @@ class LlamaAttention(nn.Module):
         num_tokens = hidden.shape[0]
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
         # q, k, v are views of the fused projection's output, rotated in place
-        q = apply_rotary_(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary_(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        q = apply_rotary_(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin, self.cpu_kernels)
+        k = apply_rotary_(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin, self.cpu_kernels)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         out = self.attn_backend.forward(q, k, v, kv_cache, attn, self.scale)  # [T, num_heads, head_dim]
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
 
 class LlamaMLP(nn.Module):
+    cpu_kernels: CpuKernels | None = None  # the fused SiLU-and-mul, where the CPU plan chose it (cpu_binding.py)
+
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
         size = spec.intermediate_size
@@ -81,7 +86,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(size, spec.hidden_size)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
-        return self.down_proj(silu_and_mul(self.gate_up_proj(hidden)))
+        return self.down_proj(silu_and_mul(self.gate_up_proj(hidden), self.cpu_kernels))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -122,10 +127,10 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.fused_cpu: FusedCpuDecoder | None = None  # set by enable_fused_cpu
 
-    def enable_fused_cpu(self) -> bool:
+    def enable_fused_cpu(self, kernels: CpuKernels, kv_prefetch_bytes: int | None = None) -> bool:
         """Runs the decoder layers through the fused CPU decoder from now on, where it applies (CPU, float32 or
         bfloat16, weights packed by Folio's GEMM); returns whether it does. Call after pack_for_cpu."""
-        self.fused_cpu = FusedCpuDecoder.create(self)
+        self.fused_cpu = FusedCpuDecoder.create(self, kernels, kv_prefetch_bytes)
         return self.fused_cpu is not None
 
     def forward(
@@ -178,17 +183,16 @@ class LlamaForCausalLM(nn.Module):
         head = self.tied_lm_head_packed if self.lm_head is None else self.lm_head.packed_weight
         if not isinstance(head, PackedWeight) or (self.lm_head is not None and self.lm_head.bias is not None):
             return None
-        gemm = load_cpu_gemm()
-        return None if gemm is None else gemm.argmax(hidden, head)
+        return head.gemm.argmax(hidden, head)
 
-    def pack_for_cpu(self) -> None:
+    def pack_for_cpu(self, kernels: CpuKernels) -> None:
         """Packs every projection and the LM head (folio.model.layers.cpu_gemm), all in one arena; call after
         loading. A tied LM head gets a packed copy: the embedding lookup still needs the plain matrix."""
         linears = [m for m in self.modules() if isinstance(m, Linear)]
         weights = [m.weight.data for m in linears]
         if self.lm_head is None:
             weights.append(self.model.embed_tokens.weight.data)
-        packed = pack_weights(weights)
+        packed = pack_weights(weights, kernels)
         for module, packed_weight in zip(linears, packed, strict=False):
             module.adopt_packed(packed_weight)
         if self.lm_head is None:

@@ -15,10 +15,11 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from folio.attention.backends.base import AttentionBackend
 from folio.attention.selector import get_attention_backend
+from folio.kernels.cpu_kernels import CPU_KERNEL_DTYPES, CpuKernels, load_cpu_kernels
+from folio.model.cpu_binding import prepare_for_cpu
 from folio.model.gguf_file import open_gguf
 from folio.model.gguf_loader import iter_gguf_weights, read_gguf_spec
 from folio.model.hf_loader import iter_safetensors_weights, read_hf_spec
-from folio.model.layers.cpu_gemm import can_pack
 from folio.model.llama import LlamaForCausalLM
 from folio.model.registry import get_model_class
 from folio.model.spec import ModelSpec
@@ -63,10 +64,12 @@ def load_model(
     attn_backend: AttentionBackend | None = None,
     show_progress: bool = True,
     enforce_eager: bool = False,
+    cpu_kernels: CpuKernels | None = None,
+    cpu_kv_prefetch_bytes: int | None = None,
 ) -> tuple[LlamaForCausalLM, ModelSpec]:
     """Builds the model for ``path`` and fills its weights. attn_backend defaults to the one chosen for device.
-    On the CPU the weights are packed for the GEMM and, unless enforce_eager, the decoder layers run fused
-    (folio/model/cpu_fused.py).
+    On the CPU, ``cpu_kernels`` (default: this CPU's best tier) says which kernels run: the weights are packed
+    for the plan's GEMM and, unless enforce_eager, the decoder layers run fused (folio/model/cpu_binding.py).
 
     Raises FileNotFoundError / ValueError naming the path for a missing or malformed checkpoint, an
     unsupported architecture, or missing tensors.
@@ -81,17 +84,17 @@ def load_model(
         spec = read_gguf_spec(gguf)
         weights = iter_gguf_weights(gguf, spec, show_progress)
     model_class = get_model_class(spec.architecture)
+    if cpu_kernels is None and device.type == "cpu" and dtype in CPU_KERNEL_DTYPES:
+        cpu_kernels = load_cpu_kernels(None, dtype)
     with torch.device("meta"):
-        model = model_class(spec, attn_backend or get_attention_backend(device, dtype))
+        model = model_class(spec, attn_backend or get_attention_backend(device, dtype, cpu_kernels))
     _materialize_empty(model, dtype, device)
     try:
         model.load_weights(weights)
     except ValueError as e:  # errors from the weight readers already name the file
         raise ValueError(str(e) if path in str(e) else f"{path}: {e}") from None
-    if can_pack(device, dtype):
-        model.pack_for_cpu()
-        if not enforce_eager:
-            model.model.enable_fused_cpu()
+    if cpu_kernels is not None and device.type == "cpu":
+        prepare_for_cpu(model, cpu_kernels, enforce_eager, cpu_kv_prefetch_bytes)
     return model.eval(), spec
 
 

@@ -12,6 +12,7 @@ import torch
 from folio.attention.builder import assign_contiguous_blocks, build_attn_metadata, compute_positions
 from folio.config import EngineConfig
 from folio.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from folio.kernels.cpu_kernels import CPU_KERNEL_DTYPES, CpuKernels, load_cpu_kernels
 from folio.kernels.hugepages import empty_hugepage_backed
 from folio.model.llama import LlamaForCausalLM
 from folio.model.loader import ModelSpec, load_model
@@ -141,8 +142,24 @@ class Worker:
             return NoopCausalLM(spec, self.dtype, self.device), spec
         logger.info("Loading %s as %s on %s", self.config.model_config.model, self.dtype, self.device)
         model_config = self.config.model_config
-        model, spec = load_model(model_config.model, self.dtype, self.device, enforce_eager=model_config.enforce_eager)
+        model, spec = load_model(
+            model_config.model,
+            self.dtype,
+            self.device,
+            enforce_eager=model_config.enforce_eager,
+            cpu_kernels=self._cpu_kernels(),
+            cpu_kv_prefetch_bytes=self.config.cpu_config.kv_prefetch_bytes,
+        )
         return model, spec
+
+    def _cpu_kernels(self) -> CpuKernels | None:
+        """On the CPU, the kernels of the --cpu-isa tier for the model's dtype; logs the tier and the plan."""
+        if self.device.type != "cpu" or self.dtype not in CPU_KERNEL_DTYPES:
+            return None
+        kernels = load_cpu_kernels(self.config.cpu_config.tier(), self.dtype)
+        eager = " (fused decoder off: enforce_eager)" if self.config.model_config.enforce_eager else ""
+        logger.info("%s%s", kernels.describe(), eager)
+        return kernels
 
     def determine_num_blocks(self) -> int:
         """Blocks that fit the KV budget: an override, kv_cache_memory_bytes, or the device's default."""

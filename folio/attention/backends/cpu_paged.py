@@ -23,7 +23,9 @@ import torch
 from folio.attention.backends.paged_cache import write_kv
 from folio.attention.metadata import AttnMetadata
 from folio.kernels.cpu_build import load_kernel_library
-from folio.kernels.cpu_ops import cpu_ops_for, heads_packed
+from folio.kernels.cpu_kernels import CpuKernels
+from folio.kernels.cpu_ops import heads_packed
+from folio.kernels.isa import IsaTier
 
 _i64, _f32, _int, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p
 # Both entry points start (q, q row stride, q is bf16, out, out is bf16, k_cache, v_cache, block/head/position
@@ -48,10 +50,10 @@ class PagedKernels:
     prefill: Any  # folio_prefill_attention_<dtype>
 
 
-def load_paged_attention_kernel() -> dict[torch.dtype, PagedKernels] | None:
-    """The C entry points by K/V cache dtype, or None where no compiler is available (the selector then picks
-    the torch backend)."""
-    lib = load_kernel_library("cpu_kernels")
+def load_paged_attention_kernel(tier: IsaTier | None = None) -> dict[torch.dtype, PagedKernels] | None:
+    """The C entry points of the ``tier`` library (None: this CPU's best) by K/V cache dtype, or None where no
+    compiler is available."""
+    lib = load_kernel_library("cpu_kernels", tier)
     return None if lib is None else paged_kernels_of(lib)
 
 
@@ -90,8 +92,10 @@ class CpuPagedBackend:
     # (W1 decode attention 23-25 -> 14-18 ms per step, docs/performance.md). Position-major caches work too.
     kv_cache_head_major = True
 
-    def __init__(self, kernels: dict[torch.dtype, PagedKernels]) -> None:
+    def __init__(self, kernels: dict[torch.dtype, PagedKernels], cpu_kernels: CpuKernels | None = None) -> None:
+        """kernels: the attention entry points; cpu_kernels: the K/V write's fused op where the plan chose it."""
         self._kernels = kernels
+        self._cpu_kernels = cpu_kernels
         self._plan_for: AttnMetadata | None = None
         self._plan: StepPlan | None = None
 
@@ -144,10 +148,9 @@ class CpuPagedBackend:
             raise MemoryError("paged attention kernel could not allocate its buffers")
         return out.to(query_dtype)
 
-    @staticmethod
-    def _write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> None:
+    def _write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> None:
         """One C call for both caches when the layouts allow it, else the shared torch write."""
-        ops = cpu_ops_for(key, value, kv_cache)
+        ops = None if self._cpu_kernels is None else self._cpu_kernels.ops_for(key, value, kv_cache)
         if ops is not None and heads_packed(key) and heads_packed(value) and slots.dtype == torch.int64:
             ops.write_kv(key, value, kv_cache, slots.contiguous())
         else:

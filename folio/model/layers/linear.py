@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from folio.kernels.cpu_kernels import CpuKernels
 from folio.model.layers.cpu_gemm import pack_weight, packed_linear
 
 
@@ -31,10 +32,10 @@ class Linear(nn.Module):
             return packed_linear(x, self.packed_weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
-    def pack_for_cpu(self) -> None:
+    def pack_for_cpu(self, kernels: CpuKernels) -> None:
         """Packs the loaded weight (folio.model.layers.cpu_gemm) and releases the plain copy, so the model's
         memory does not double. Call once, after the weights are loaded; the layer can't be reloaded afterwards."""
-        self.adopt_packed(pack_weight(self.weight.data))
+        self.adopt_packed(pack_weight(self.weight.data, kernels))
 
     def adopt_packed(self, packed: Any) -> None:
         """Takes this layer's weight in packed form (made by the model, which packs all its layers at once)."""

@@ -14,7 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from folio.kernels.cpu_ops import cpu_ops_for, heads_packed
+from folio.kernels.cpu_kernels import CpuKernels
+from folio.kernels.cpu_ops import heads_packed
 
 
 def compute_inv_freq(head_dim: int, base: float, rope_scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -68,13 +69,15 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
-def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rotary_(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cpu_kernels: CpuKernels | None = None
+) -> torch.Tensor:
     """apply_rotary written back into x (which may be a view of a fused q|k|v output); returns x.
 
-    On the CPU, with x's heads packed in each row, this is one C call (folio/kernels/cpu_ops.c) with the same
-    roundings as the torch ops.
+    On the CPU, with x's heads packed in each row and the plan's fused ops given, this is one C call
+    (folio/kernels/cpu_ops.c) with the same roundings as the torch ops.
     """
-    fusable = heads_packed(x) and cos.is_contiguous() and sin.is_contiguous()
-    if fusable and (ops := cpu_ops_for(x, cos, sin)) is not None:
+    fusable = cpu_kernels is not None and heads_packed(x) and cos.is_contiguous() and sin.is_contiguous()
+    if fusable and cpu_kernels is not None and (ops := cpu_kernels.ops_for(x, cos, sin)) is not None:
         return ops.rotary_(x, cos, sin)
     return x.copy_(apply_rotary(x, cos, sin))

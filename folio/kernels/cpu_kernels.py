@@ -1,0 +1,100 @@
+"""Folio's CPU kernels for one ISA tier and dtype, with the plan that says which of them run.
+
+The engine builds one ``CpuKernels`` at start-up from ``--cpu-isa`` and hands it to the model loader, which
+gives each layer what the plan chose (folio/model/cpu_binding.py); tests build one per tier to run the same
+assertions on every body. Nothing here is global: two tiers can run side by side in one process.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import dataclass, field
+
+import torch
+
+from folio.kernels.cpu_build import load_kernel_library, native_tier
+from folio.kernels.cpu_gemm import CpuGemm
+from folio.kernels.cpu_ops import CpuOps
+from folio.kernels.cpu_plan import CpuPlan, choose_cpu_plan
+from folio.kernels.isa import IsaTier, cpu_info, resolve_cpu_isa
+from folio.logger import init_logger
+
+logger = init_logger()
+
+CPU_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def onednn_available() -> bool:
+    """torch's oneDNN packed linear (reorder once, multiply many times) is present in this build."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+@dataclass(frozen=True)
+class CpuKernels:
+    """The kernel library of one tier (None where no compiler could build it) and the plan for one dtype.
+
+    ``gemm`` / ``ops`` are set only where the plan chose Folio's kernel, so a caller that finds them None runs
+    its fallback; ``lib`` is there regardless, for tests and the paged attention bindings.
+    """
+
+    plan: CpuPlan
+    lib: ctypes.CDLL | None
+    dtype: torch.dtype
+    gemm: CpuGemm | None = field(default=None)
+    ops: CpuOps | None = field(default=None)
+
+    @property
+    def tier(self) -> IsaTier:
+        return self.plan.tier
+
+    def ops_for(self, *tensors: torch.Tensor) -> CpuOps | None:
+        """The fused element-wise ops if the plan chose them and every tensor is a CPU tensor of this dtype with
+        a contiguous last dim; else None (the caller runs its torch ops)."""
+        if self.ops is None:
+            return None
+        for t in tensors:
+            if t.device.type != "cpu" or t.dtype != self.dtype or t.stride(-1) != 1:
+                return None
+        return self.ops
+
+    def describe(self) -> str:
+        """The start-up log line: CPU model, tier and the implementation of each operation."""
+        model, flags = cpu_info()
+        native = resolve_cpu_isa("auto", flags)
+        dtype_name = str(self.dtype).removeprefix("torch.")
+        return (
+            f"CPU {model}: ISA tier {self.tier.flag_name} (this CPU's best: {native.flag_name}); "
+            f"{dtype_name} kernels: {self.plan.describe()}"
+        )
+
+
+def library_tier(lib: ctypes.CDLL) -> IsaTier:
+    """The tier a loaded library reports it was compiled for (folio_isa_tier in cpu_kernels.c)."""
+    fn = lib.folio_isa_tier
+    fn.argtypes, fn.restype = [], ctypes.c_int
+    return IsaTier(fn())
+
+
+@functools.cache
+def load_cpu_kernels(tier: IsaTier | None, dtype: torch.dtype) -> CpuKernels:
+    """The kernels of ``tier`` (None: this CPU's best) for ``dtype`` (float32 or bfloat16), built on first use.
+
+    The plan follows the tier the library reports, which is the one asked for unless the compiler could not
+    target it (then a warning says so).
+    """
+    if dtype not in CPU_KERNEL_DTYPES:
+        raise ValueError(f"CPU kernels run float32 or bfloat16, not {dtype}")
+    tier = native_tier() if tier is None else tier
+    lib = load_kernel_library("cpu_kernels", tier)
+    built = tier if lib is None else library_tier(lib)
+    if built != tier:
+        logger.warning("the %s kernel library reports tier %s", tier.flag_name, built.flag_name)
+    plan = choose_cpu_plan(built, str(dtype).removeprefix("torch."), lib is not None, onednn_available())
+    return CpuKernels(
+        plan=plan,
+        lib=lib,
+        dtype=dtype,
+        gemm=CpuGemm(lib) if lib is not None and plan.gemm == "folio" else None,
+        ops=CpuOps(lib, dtype) if lib is not None and plan.elementwise == "folio" else None,
+    )

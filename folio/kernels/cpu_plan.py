@@ -1,0 +1,68 @@
+"""Which implementation runs each CPU operation, decided from the ISA tier the kernel library was built for.
+
+The rule in one place: Folio's C kernel where it has a vectorised body for the tier (FOLIO_MIN_TIER), oneDNN's
+packed linear for a GEMM it has not, torch otherwise. A plain-C body is correct on every tier (the kernel tests
+run it) but slower than oneDNN / torch, so it is never chosen for speed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from folio.kernels.isa import IsaTier
+
+# The lowest tier at which Folio's kernel for an operation has a vectorised body.
+FOLIO_MIN_TIER: dict[str, IsaTier] = {
+    "gemm_f32": IsaTier.AVX512,
+    "gemm_bf16": IsaTier.AVX512_BF16,
+    "decode_attention": IsaTier.AVX512,
+    "prefill_attention": IsaTier.AVX512,
+    "elementwise": IsaTier.AVX512,
+}
+
+
+@dataclass(frozen=True)
+class CpuPlan:
+    """The implementation of each operation for one dtype: "folio", "onednn", "torch"; "off" for the optional
+    fused paths."""
+
+    tier: IsaTier
+    dtype_name: str  # "float32" or "bfloat16"
+    gemm: str
+    lm_head_argmax: str  # the greedy step's LM head without writing the logits: Folio's GEMM only
+    decode_attention: str
+    prefill_attention: str
+    elementwise: str  # RMSNorm + residual, rotary, SiLU-and-mul, the K/V write
+    fused_decoder: str  # every layer in one C call: needs Folio's kernel for every operation above
+
+    def describe(self) -> str:
+        """One line for the start-up log: every operation and its implementation."""
+        skip = ("tier", "dtype_name")
+        return ", ".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self) if f.name not in skip)
+
+
+def choose_cpu_plan(tier: IsaTier, dtype_name: str, have_compiler: bool = True, have_onednn: bool = True) -> CpuPlan:
+    """The plan for a library of ``tier`` running ``dtype_name`` ("float32" / "bfloat16") weights and K/V;
+    ``have_compiler`` False: no library at all, so no Folio kernel."""
+    if dtype_name not in ("float32", "bfloat16"):
+        raise ValueError(f"CPU kernels run float32 or bfloat16, not {dtype_name}")
+
+    def folio_or(op: str, fallback: str) -> str:
+        return "folio" if have_compiler and tier >= FOLIO_MIN_TIER[op] else fallback
+
+    # oneDNN's bfloat16 linear needs AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT; below that torch's reference GEMM
+    onednn_runs = have_onednn and (dtype_name == "float32" or tier >= IsaTier.AVX512)
+    gemm = folio_or("gemm_f32" if dtype_name == "float32" else "gemm_bf16", "onednn" if onednn_runs else "torch")
+    decode, prefill = folio_or("decode_attention", "torch"), folio_or("prefill_attention", "torch")
+    elementwise = folio_or("elementwise", "torch")
+    all_folio = all(impl == "folio" for impl in (gemm, decode, prefill, elementwise))
+    return CpuPlan(
+        tier=tier,
+        dtype_name=dtype_name,
+        gemm=gemm,
+        lm_head_argmax="folio" if gemm == "folio" else "off",
+        decode_attention=decode,
+        prefill_attention=prefill,
+        elementwise=elementwise,
+        fused_decoder="folio" if all_folio else "off",
+    )

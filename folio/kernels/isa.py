@@ -1,0 +1,109 @@
+"""CPU instruction-set tiers: what this CPU can run, what a user asked for, and the compiler flags of each.
+
+A tier is a rung of x86-64 vector support that Folio's C kernels have bodies for. The kernels never guess the
+CPU at run time: each library is compiled for one tier (``compile_flags``) and reports the tier it was built for
+(``folio_isa_tier`` in cpu_kernels.c), and the engine chooses each operation's implementation from that
+(folio/kernels/cpu_plan.py). ``--cpu-isa`` forces a lower tier, for tests, benchmarks and mixed fleets.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import platform
+from pathlib import Path
+
+
+class IsaTier(enum.IntEnum):
+    """Ordered: a CPU that runs a tier runs every lower one."""
+
+    GENERIC = 0  # no SIMD assumed: plain C (other architectures, old x86-64)
+    AVX2 = 1  # x86-64-v3: AVX2 + FMA + F16C (Haswell, Zen 1-3)
+    AVX512 = 2  # x86-64-v4: AVX-512 F/BW/CD/DQ/VL (Skylake-SP, Cascade Lake)
+    AVX512_BF16 = 3  # x86-64-v4 + AVX512-BF16 (Cooper Lake, Sapphire Rapids, Zen 4/5)
+
+    @property
+    def flag_name(self) -> str:
+        """The name ``--cpu-isa`` takes: generic, avx2, avx512, avx512_bf16."""
+        return self.name.lower()
+
+
+# The /proc/cpuinfo flags each tier needs on top of the tier below (gcc's x86-64-v3 / v4 definitions).
+_REQUIRED_FLAGS: dict[IsaTier, tuple[str, ...]] = {
+    IsaTier.GENERIC: (),
+    IsaTier.AVX2: ("avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm"),
+    IsaTier.AVX512: ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"),
+    IsaTier.AVX512_BF16: ("avx512_bf16",),
+}
+# gcc flags of each tier when it is not this CPU's own (the CPU's own tier builds with -march=native)
+_MARCH: dict[IsaTier, list[str]] = {
+    IsaTier.GENERIC: ["-march=x86-64"],
+    IsaTier.AVX2: ["-march=x86-64-v3"],
+    IsaTier.AVX512: ["-march=x86-64-v4"],
+    IsaTier.AVX512_BF16: ["-march=x86-64-v4", "-mavx512bf16"],
+}
+CPU_ISA_CHOICES = ("auto", *(tier.flag_name for tier in IsaTier))
+
+
+@functools.cache
+def cpu_info() -> tuple[str, frozenset[str]]:
+    """(model name, feature flags) of this CPU from /proc/cpuinfo; flags are empty where it cannot be read."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor() or platform.machine(), frozenset()
+    fields: dict[str, str] = {}
+    for line in lines:
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    return fields.get("model name", platform.machine()), frozenset(fields.get("flags", "").split())
+
+
+def is_x86_64() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64")
+
+
+def detect_tier(flags: frozenset[str], x86_64: bool = True) -> IsaTier:
+    """The highest tier whose flags (and every lower tier's) the CPU has; GENERIC off x86-64."""
+    if not x86_64:
+        return IsaTier.GENERIC
+    best = IsaTier.GENERIC
+    for tier in IsaTier:
+        if not all(flag in flags for flag in _REQUIRED_FLAGS[tier]):
+            break
+        best = tier
+    return best
+
+
+def resolve_cpu_isa(requested: str, flags: frozenset[str], x86_64: bool = True) -> IsaTier:
+    """``--cpu-isa`` -> the tier to build for: "auto" is the CPU's best; a named tier must not exceed it.
+
+    Raises ValueError naming the flag, the choices, and what this CPU lacks.
+    """
+    native = detect_tier(flags, x86_64)
+    if requested == "auto":
+        return native
+    if requested not in CPU_ISA_CHOICES:
+        raise ValueError(f"cpu_isa must be one of {', '.join(CPU_ISA_CHOICES)}; got {requested!r}")
+    tier = IsaTier[requested.upper()]
+    if tier > native:
+        missing = sorted({f for t in IsaTier if t <= tier for f in _REQUIRED_FLAGS[t]} - flags)
+        raise ValueError(
+            f"--cpu-isa {requested}: this CPU's best tier is {native.flag_name}; it lacks "
+            f"{', '.join(missing) if missing else 'x86-64'} (CPU flags: {' '.join(sorted(flags)) or 'unknown'})"
+        )
+    return tier
+
+
+def compile_flags(tier: IsaTier, native: IsaTier, x86_64: bool = True) -> list[str]:
+    """gcc's target flags for a library of ``tier`` on a CPU whose own tier is ``native``.
+
+    The CPU's own tier builds with -march=native (its exact tuning and any extra instructions, e.g. AVX512-VNNI);
+    a lower tier builds for the generic x86-64 level, so it contains no instruction above that level and runs on
+    any CPU of the tier, tuned for this one.
+    """
+    if not x86_64:
+        return []  # generic C for the compiler's default target (aarch64 and others)
+    if tier == native:
+        return ["-march=native"]
+    return [*_MARCH[tier], "-mtune=native"]
