@@ -20,12 +20,25 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from folio.kernels.cpu_build import native_tier
+from folio.kernels.isa import IsaTier
 from folio.model.loader import default_model_path as folio_default_model_path
 from folio.model.loader import load_tokenizer
+
+# Every ISA tier this CPU can run (generic and avx2 on any x86-64, avx512 and avx512_bf16 where present): the kernel
+# tests build the library once per tier and run the same assertions on each body; the test ids name the tier.
+CPU_TIERS = [tier for tier in IsaTier if tier <= native_tier()]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 HF_FIXTURE_DIR = REPO_ROOT / ".cache" / "fixtures" / "smollm2-hf"
 _COMPLETE_MARKER = ".complete"  # written last: a directory without it is a partial save and is rebuilt
+
+
+@pytest.fixture(params=CPU_TIERS, ids=[tier.flag_name for tier in CPU_TIERS])
+def cpu_tier(request: pytest.FixtureRequest) -> IsaTier:
+    """Each ISA tier this CPU can run, in turn (test ids: ...[generic], ...[avx2], ...)."""
+    tier: IsaTier = request.param
+    return tier
 
 
 @pytest.fixture(scope="session")
