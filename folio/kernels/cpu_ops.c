@@ -30,33 +30,33 @@ static inline float round_through_bf16(float f) { return bf16_to_f32(f32_to_bf16
 #define LOAD(x) (x)
 #define STORE(f) (f)
 #define ROUND(f) f32_identity(f)
-#define VLOAD16 load16_f32
-#define VSTORE16 store16_f32
-#define VROUND16 round16_f32
+#define VLOAD vf_load_f32
+#define VSTORE vf_store_f32
+#define VROUND vf_round_f32
 #include "cpu_ops_impl.h"
 #undef ELEM_T
 #undef SUFFIX
 #undef LOAD
 #undef STORE
 #undef ROUND
-#undef VLOAD16
-#undef VSTORE16
-#undef VROUND16
+#undef VLOAD
+#undef VSTORE
+#undef VROUND
 
 #define ELEM_T uint16_t
 #define SUFFIX bf16
 #define LOAD(x) bf16_to_f32(x)
 #define STORE(f) f32_to_bf16(f)
 #define ROUND(f) round_through_bf16(f)
-#define VLOAD16 load16_bf16
-#define VSTORE16 store16_bf16
-#define VROUND16 round16_bf16
+#define VLOAD vf_load_bf16
+#define VSTORE vf_store_bf16
+#define VROUND vf_round_bf16
 #include "cpu_ops_impl.h"
 #undef ELEM_T
 #undef SUFFIX
 #undef LOAD
 #undef STORE
 #undef ROUND
-#undef VLOAD16
-#undef VSTORE16
-#undef VROUND16
+#undef VLOAD
+#undef VSTORE
+#undef VROUND

@@ -20,22 +20,23 @@ static void CAT(rms_norm_body_, SUFFIX)(const ELEM_T *x, int64_t x_stride, const
         const ELEM_T *src = residual != NULL ? ro : xr;
         float sum_sq = 0.0f;
         int64_t j = 0;
-#ifdef __AVX512F__
-        /* 16 at a time, two sums: gcc's `omp simd reduction` of this loop kept its partial sums in a stack array
-         * and ran 2.3x slower (13.3 against 5.7 us for 64 x 576 bf16 rows, one thread) */
-        __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
-        for (; j + 32 <= hidden; j += 32) {
-            __m512 s0 = VLOAD16(xr + j), s1 = VLOAD16(xr + j + 16);
+#ifdef VF_WIDTH
+        /* a vector at a time (cpu_common.h's vf32: 16 lanes with AVX-512, 8 with AVX2), two sums: gcc's `omp simd
+         * reduction` of this loop kept its partial sums in a stack array and ran 2.3x slower (13.3 against 5.7 us
+         * for 64 x 576 bf16 rows, one thread, AVX-512) */
+        vf32 sum0 = vf_zero(), sum1 = vf_zero();
+        for (; j + 2 * VF_WIDTH <= hidden; j += 2 * VF_WIDTH) {
+            vf32 s0 = VLOAD(xr + j), s1 = VLOAD(xr + j + VF_WIDTH);
             if (rr != NULL) {
-                s0 = VROUND16(_mm512_add_ps(s0, VLOAD16(rr + j)));
-                s1 = VROUND16(_mm512_add_ps(s1, VLOAD16(rr + j + 16)));
-                VSTORE16(ro + j, s0);
-                VSTORE16(ro + j + 16, s1);
+                s0 = VROUND(vf_add(s0, VLOAD(rr + j)));
+                s1 = VROUND(vf_add(s1, VLOAD(rr + j + VF_WIDTH)));
+                VSTORE(ro + j, s0);
+                VSTORE(ro + j + VF_WIDTH, s1);
             }
-            sum0 = _mm512_fmadd_ps(s0, s0, sum0);
-            sum1 = _mm512_fmadd_ps(s1, s1, sum1);
+            sum0 = vf_fmadd(s0, s0, sum0);
+            sum1 = vf_fmadd(s1, s1, sum1);
         }
-        sum_sq = _mm512_reduce_add_ps(_mm512_add_ps(sum0, sum1));
+        sum_sq = vf_reduce_add(vf_add(sum0, sum1));
 #endif
         for (; j < hidden; ++j) {
             float v = LOAD(xr[j]);
@@ -48,10 +49,10 @@ static void CAT(rms_norm_body_, SUFFIX)(const ELEM_T *x, int64_t x_stride, const
         const float inv_rms = 1.0f / sqrtf(sum_sq / (float)hidden + eps);
         ELEM_T *o = out + t * hidden;
         j = 0;
-#ifdef __AVX512F__
-        const __m512 inv = _mm512_set1_ps(inv_rms);
-        for (; j + 16 <= hidden; j += 16)
-            VSTORE16(o + j, _mm512_mul_ps(VLOAD16(weight + j), VROUND16(_mm512_mul_ps(VLOAD16(src + j), inv))));
+#ifdef VF_WIDTH
+        const vf32 inv = vf_set1(inv_rms);
+        for (; j + VF_WIDTH <= hidden; j += VF_WIDTH)
+            VSTORE(o + j, vf_mul(VLOAD(weight + j), VROUND(vf_mul(VLOAD(src + j), inv))));
 #endif
         for (; j < hidden; ++j) o[j] = STORE(LOAD(weight[j]) * ROUND(LOAD(src[j]) * inv_rms));
     }
@@ -73,17 +74,12 @@ static void CAT(silu_and_mul_body_, SUFFIX)(const ELEM_T *gate_up, int64_t gu_st
         const ELEM_T *u = g + inter;
         ELEM_T *o = out + t * inter;
         int64_t j = 0;
-#ifdef __AVX512F__
-        /* 16 at a time: the scalar loop's expf call does not vectorize with bfloat16 rounding around it (it cost
-         * 12% of a decode step) */
-        for (; j + 16 <= inter; j += 16) {
-            VSTORE16(o + j, _mm512_mul_ps(VROUND16(silu16(VLOAD16(g + j))), VLOAD16(u + j)));
-        }
+#ifdef VF_WIDTH
+        /* a vector at a time: the scalar loop's expf call does not vectorize with bfloat16 rounding around it (it
+         * cost 12% of a decode step) */
+        for (; j + VF_WIDTH <= inter; j += VF_WIDTH) VSTORE(o + j, vf_mul(VROUND(vf_silu(VLOAD(g + j))), VLOAD(u + j)));
 #endif
-        for (; j < inter; ++j) {
-            const float gf = LOAD(g[j]);
-            o[j] = STORE(ROUND(gf / (1.0f + expf(-gf))) * LOAD(u[j]));
-        }
+        for (; j < inter; ++j) o[j] = STORE(ROUND(silu_f32(LOAD(g[j]))) * LOAD(u[j]));
     }
 }
 
@@ -103,18 +99,16 @@ static inline void CAT(rotary_row_, SUFFIX)(ELEM_T *x, const ELEM_T *c, const EL
     for (int64_t h = 0; h < num_heads; ++h) {
         ELEM_T *xh = x + h * head_dim;
         int64_t i = 0;
-#ifdef __AVX512F__
-        /* 16 at a time, as rms_norm_body_: W1 bf16 rotary + K/V write phases 0.052 -> 0.034 s against gcc's
-         * `omp simd` version of the loop below (docs/performance.md, session 7) */
-        for (; i + 16 <= half; i += 16) {
-            const __m512 x1 = VLOAD16(xh + i), x2 = VLOAD16(xh + i + half);
+#ifdef VF_WIDTH
+        /* a vector at a time, as rms_norm_body_: W1 bf16 rotary + K/V write phases 0.052 -> 0.034 s against gcc's
+         * `omp simd` version of the loop below (AVX-512, docs/performance.md, session 7) */
+        for (; i + VF_WIDTH <= half; i += VF_WIDTH) {
+            const vf32 x1 = VLOAD(xh + i), x2 = VLOAD(xh + i + half);
             /* round(-x2 * s) = -round(x2 * s), and a + (-b) = a - b exactly */
-            const __m512 lo = _mm512_sub_ps(VROUND16(_mm512_mul_ps(x1, VLOAD16(c + i))),
-                                            VROUND16(_mm512_mul_ps(x2, VLOAD16(s + i))));
-            const __m512 hi = _mm512_add_ps(VROUND16(_mm512_mul_ps(x2, VLOAD16(c + i + half))),
-                                            VROUND16(_mm512_mul_ps(x1, VLOAD16(s + i + half))));
-            VSTORE16(xh + i, lo);
-            VSTORE16(xh + i + half, hi);
+            const vf32 lo = vf_sub(VROUND(vf_mul(x1, VLOAD(c + i))), VROUND(vf_mul(x2, VLOAD(s + i))));
+            const vf32 hi = vf_add(VROUND(vf_mul(x2, VLOAD(c + i + half))), VROUND(vf_mul(x1, VLOAD(s + i + half))));
+            VSTORE(xh + i, lo);
+            VSTORE(xh + i + half, hi);
         }
 #endif
         for (; i < half; ++i) {
