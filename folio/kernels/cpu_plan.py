@@ -17,7 +17,7 @@ FOLIO_MIN_TIER: dict[str, IsaTier] = {
     "gemm_bf16": IsaTier.AVX512_BF16,
     "decode_attention": IsaTier.AVX512,
     "prefill_attention": IsaTier.AVX512,
-    "elementwise": IsaTier.AVX512,
+    "elementwise": IsaTier.AVX2,
 }
 
 

@@ -31,8 +31,8 @@ def _memoized_loading() -> Iterator[None]:
     original_load_model = worker_module.load_model
 
     @functools.cache
-    def load_model_once(path: str, dtype: torch.dtype, device: torch.device, enforce_eager: bool = False) -> Any:
-        return original_load_model(path, dtype, device, enforce_eager=enforce_eager)
+    def load_model_once(path: str, dtype: torch.dtype, device: torch.device, **kwargs: Any) -> Any:
+        return original_load_model(path, dtype, device, **kwargs)
 
     mp.setattr(worker_module, "load_model", load_model_once)
     mp.setattr(llm_engine_module, "load_tokenizer", functools.cache(llm_engine_module.load_tokenizer))
@@ -52,15 +52,18 @@ def hf_reference(hf_model: Any, tokenizer: Any) -> list[GreedyRun]:
     return [hf_greedy(hf_model, ids, HF_REFERENCE_NEW_TOKENS) for ids in all_prompt_token_ids(tokenizer)]
 
 
-def greedy_verdicts(llm: LLM, tokenizer: Any, hf_reference: list[GreedyRun]) -> list[str]:
-    """``llm``'s greedy runs over the reference prompts, each held to transformers' by compare_greedy (which raises
-    where the top-5 rule fails): one verdict per prompt, 'identical' or 'diverged@step'."""
-    prompts = all_prompt_token_ids(tokenizer)
+def greedy_verdicts(
+    llm: LLM, tokenizer: Any, hf_reference: list[GreedyRun], num_prompts: int | None = None
+) -> list[str]:
+    """``llm``'s greedy runs over the reference prompts (the first ``num_prompts``, default all), each held to
+    transformers' by compare_greedy (which raises where the top-5 rule fails): one verdict per prompt,
+    'identical' or 'diverged@step'."""
+    prompts = all_prompt_token_ids(tokenizer)[:num_prompts]
     params = SamplingParams(temperature=0.0, max_tokens=HF_REFERENCE_NEW_TOKENS, ignore_eos=True, logprobs=5)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return [
         compare_greedy(ref, from_folio_output(out), f"prompt {i}")
-        for i, (ref, out) in enumerate(zip(hf_reference, outputs, strict=True))
+        for i, (ref, out) in enumerate(zip(hf_reference[: len(outputs)], outputs, strict=True))
     ]
 
 

@@ -10,6 +10,8 @@ import pytest
 import torch
 
 from folio.attention.builder import build_attn_metadata, compute_positions
+from folio.kernels.cpu_kernels import load_cpu_kernels
+from folio.kernels.isa import IsaTier
 from folio.model.loader import load_model
 from folio.worker.worker import KVCacheShape
 
@@ -17,10 +19,15 @@ BLOCK_SIZE = 16
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_decoder_equals_layer_by_layer(default_model_path: str, dtype: torch.dtype) -> None:
+def test_fused_decoder_equals_layer_by_layer(default_model_path: str, cpu_tier: IsaTier, dtype: torch.dtype) -> None:
+    """On each tier whose plan has the fused decoder; on the others the model must run layer by layer."""
     cpu = torch.device("cpu")
-    fused, spec = load_model(default_model_path, dtype, cpu, show_progress=False)
-    eager, _ = load_model(default_model_path, dtype, cpu, show_progress=False, enforce_eager=True)
+    kernels = load_cpu_kernels(cpu_tier, dtype)
+    fused, spec = load_model(default_model_path, dtype, cpu, show_progress=False, cpu_kernels=kernels)
+    if kernels.plan.fused_decoder != "folio":
+        assert fused.model.fused_cpu is None
+        pytest.skip(f"{cpu_tier.flag_name} {dtype}: the plan runs {kernels.plan.describe()}")
+    eager, _ = load_model(default_model_path, dtype, cpu, show_progress=False, enforce_eager=True, cpu_kernels=kernels)
     assert fused.model.fused_cpu is not None and eager.model.fused_cpu is None
     shape = KVCacheShape(spec.num_hidden_layers, BLOCK_SIZE, spec.num_key_value_heads, spec.head_dim, dtype, True)
     caches = {"fused": shape.allocate(40, cpu), "eager": shape.allocate(40, cpu)}

@@ -1,0 +1,37 @@
+"""The engine on every ISA tier this CPU can run (``--cpu-isa``), held to transformers by the top-5 rule.
+
+A tier changes which kernels run (folio/kernels/cpu_plan.py), never the model's maths beyond float noise: each
+tier's greedy runs over the reference prompts must match transformers' (identical, or each side's token in the
+other's top-5 where a near-tie flips).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+
+from folio import LLM
+from folio.kernels.isa import IsaTier
+from tests.engine.conftest import TEST_KV_BYTES, assert_no_leaks, greedy_verdicts
+from tests.engine.greedy_compare import GreedyRun
+
+
+def test_each_tier_matches_transformers(
+    cpu_tier: IsaTier, tokenizer: Any, hf_reference: list[GreedyRun], caplog: pytest.LogCaptureFixture
+) -> None:
+    folio_logger = logging.getLogger("folio")  # it does not propagate to the root logger caplog listens on
+    folio_logger.addHandler(caplog.handler)
+    try:
+        llm = LLM(dtype="float32", cpu_isa=cpu_tier.flag_name, kv_cache_memory_bytes=TEST_KV_BYTES)
+    finally:
+        folio_logger.removeHandler(caplog.handler)
+    # the start-up line names the tier and the implementation chosen for each operation
+    line = next(r.getMessage() for r in caplog.records if "ISA tier" in r.getMessage())
+    assert f"ISA tier {cpu_tier.flag_name} " in line and "gemm=" in line and "decode_attention=" in line, line
+    # the generic tier runs torch's ops, slow at the engine's shapes: a third of the prompts keep CI's time
+    verdicts = greedy_verdicts(llm, tokenizer, hf_reference, 4 if cpu_tier == IsaTier.GENERIC else None)
+    print(cpu_tier.flag_name, "verdicts:", verdicts)
+    assert verdicts.count("identical") >= len(verdicts) - 2, verdicts
+    assert_no_leaks(llm)

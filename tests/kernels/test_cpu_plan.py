@@ -1,0 +1,82 @@
+"""The tier -> implementation rule (folio/kernels/cpu_plan.py) and the tier arithmetic (folio/kernels/isa.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from folio.kernels.cpu_plan import FOLIO_MIN_TIER, choose_cpu_plan
+from folio.kernels.isa import IsaTier, compile_flags, detect_tier, resolve_cpu_isa
+
+ZEN3_FLAGS = frozenset(["sse4_2", "avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm"])
+XEON_FLAGS = ZEN3_FLAGS | frozenset(["avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"])
+ZEN5_FLAGS = XEON_FLAGS | {"avx512_bf16"}
+
+
+@pytest.mark.parametrize(
+    ("flags", "tier"),
+    [
+        (frozenset({"sse4_2"}), IsaTier.GENERIC),
+        (ZEN3_FLAGS, IsaTier.AVX2),
+        (ZEN3_FLAGS - {"fma"}, IsaTier.GENERIC),
+        (XEON_FLAGS, IsaTier.AVX512),
+        (XEON_FLAGS - {"avx512vl"}, IsaTier.AVX2),
+        (ZEN5_FLAGS, IsaTier.AVX512_BF16),
+        (ZEN5_FLAGS - {"avx2"}, IsaTier.GENERIC),  # a tier needs every lower tier's flags too
+    ],
+)
+def test_detect_tier(flags: frozenset[str], tier: IsaTier) -> None:
+    assert detect_tier(flags) == tier
+
+
+def test_off_x86_everything_is_generic() -> None:
+    assert detect_tier(ZEN5_FLAGS, x86_64=False) == IsaTier.GENERIC
+    assert compile_flags(IsaTier.GENERIC, IsaTier.GENERIC, x86_64=False) == []
+
+
+def test_resolve_cpu_isa() -> None:
+    assert resolve_cpu_isa("auto", ZEN3_FLAGS) == IsaTier.AVX2
+    assert resolve_cpu_isa("generic", ZEN3_FLAGS) == IsaTier.GENERIC
+    assert resolve_cpu_isa("avx512", ZEN5_FLAGS) == IsaTier.AVX512
+    with pytest.raises(ValueError, match=r"--cpu-isa avx512: this CPU's best tier is avx2; it lacks avx512bw"):
+        resolve_cpu_isa("avx512", ZEN3_FLAGS)
+    with pytest.raises(ValueError, match="cpu_isa must be one of auto, generic, avx2, avx512, avx512_bf16"):
+        resolve_cpu_isa("sse", ZEN3_FLAGS)
+
+
+def test_compile_flags_native_only_for_the_cpus_own_tier() -> None:
+    assert compile_flags(IsaTier.AVX2, IsaTier.AVX2) == ["-march=native"]
+    assert compile_flags(IsaTier.AVX2, IsaTier.AVX512_BF16) == ["-march=x86-64-v3", "-mtune=native"]
+    assert compile_flags(IsaTier.AVX512, IsaTier.AVX512_BF16) == ["-march=x86-64-v4", "-mtune=native"]
+    assert compile_flags(IsaTier.GENERIC, IsaTier.AVX2) == ["-march=x86-64", "-mtune=native"]
+
+
+@pytest.mark.parametrize("tier", list(IsaTier), ids=lambda t: t.flag_name)
+@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
+def test_folio_kernel_exactly_where_it_has_a_vectorised_body(tier: IsaTier, dtype_name: str) -> None:
+    plan = choose_cpu_plan(tier, dtype_name)
+    gemm_op = "gemm_f32" if dtype_name == "float32" else "gemm_bf16"
+    for op, impl in [
+        (gemm_op, plan.gemm),
+        ("decode_attention", plan.decode_attention),
+        ("prefill_attention", plan.prefill_attention),
+        ("elementwise", plan.elementwise),
+    ]:
+        assert (impl == "folio") == (tier >= FOLIO_MIN_TIER[op]), (op, impl)
+    assert (plan.lm_head_argmax == "folio") == (plan.gemm == "folio")
+    every_op_folio = {plan.gemm, plan.decode_attention, plan.prefill_attention, plan.elementwise} == {"folio"}
+    assert (plan.fused_decoder == "folio") == every_op_folio
+
+
+def test_fallbacks() -> None:
+    # below Folio's tiles the GEMM is oneDNN's, except bfloat16 below AVX-512 (oneDNN refuses it there)
+    generic32, generic16 = choose_cpu_plan(IsaTier.GENERIC, "float32"), choose_cpu_plan(IsaTier.GENERIC, "bfloat16")
+    assert (generic32.gemm, generic16.gemm) == ("onednn", "torch")
+    assert generic32.decode_attention == generic32.elementwise == "torch" and generic32.fused_decoder == "off"
+    # no compiler: no Folio kernel on any tier; no oneDNN in the torch build: torch's GEMM
+    no_cc = choose_cpu_plan(IsaTier.AVX512_BF16, "float32", have_compiler=False)
+    assert {no_cc.gemm, no_cc.decode_attention, no_cc.elementwise} == {"onednn", "torch"}
+    assert choose_cpu_plan(IsaTier.GENERIC, "float32", have_onednn=False).gemm == "torch"
+    best = choose_cpu_plan(IsaTier.AVX512_BF16, "bfloat16")
+    assert best.fused_decoder == "folio" and "gemm=folio" in best.describe() and "tier" not in best.describe()
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        choose_cpu_plan(IsaTier.AVX2, "float16")
