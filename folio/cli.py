@@ -85,6 +85,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="CPU fused decoder: bytes of the next layer's decode K/V that a layer's GEMMs prefetch "
         "(default: half the L3 cache; 0: off)",
     )
+    g.add_argument(
+        "--cpu-adaptive-threads",
+        action=argparse.BooleanOptionalAction,
+        default=d.cpu_adaptive_threads,
+        help="CPU: run the kernels on fewer threads while other processes take cores (their run-queue wait "
+        "says how many), so that a busy neighbour costs its share of the machine, not most of the throughput "
+        "(default on)",
+    )
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:

@@ -79,6 +79,8 @@ class CpuConfig:
     isa: str = "auto"
     # bytes of the next layer's decode K/V that a layer's GEMMs prefetch in the fused decoder; None: half the L3
     kv_prefetch_bytes: int | None = None
+    # fewer kernel threads while other processes take cores (folio/worker/cpu_threads.py)
+    adaptive_threads: bool = True
 
     def __post_init__(self) -> None:
         resolve_cpu_isa(self.isa, cpu_info()[1], is_x86_64())  # a clear error now, not in the engine process
@@ -121,6 +123,7 @@ class EngineArgs:
     enforce_eager: bool = False  # layer by layer: no CUDA graphs on CUDA, no fused decoder on the CPU
     cpu_isa: str = "auto"  # CPU kernels' ISA tier: auto, generic, avx2, avx512, avx512_bf16 (not above the CPU's)
     cpu_kv_prefetch_bytes: int | None = None  # fused CPU decoder's K/V prefetch budget (None: half the L3)
+    cpu_adaptive_threads: bool = True  # fewer kernel threads while other processes take cores
 
     def create_engine_config(self, model_path: str, model_max_len: int) -> EngineConfig:
         """Resolve defaults that depend on the model; ``model_max_len`` is the model's context length."""
@@ -157,5 +160,9 @@ class EngineArgs:
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
             ),
             device=self.device,
-            cpu_config=CpuConfig(isa=self.cpu_isa, kv_prefetch_bytes=self.cpu_kv_prefetch_bytes),
+            cpu_config=CpuConfig(
+                isa=self.cpu_isa,
+                kv_prefetch_bytes=self.cpu_kv_prefetch_bytes,
+                adaptive_threads=self.cpu_adaptive_threads,
+            ),
         )

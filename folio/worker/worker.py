@@ -17,6 +17,7 @@ from folio.kernels.hugepages import empty_hugepage_backed
 from folio.model.llama import LlamaForCausalLM
 from folio.model.loader import ModelSpec, load_model
 from folio.model.noop import NoopCausalLM
+from folio.worker.cpu_threads import CpuThreadGovernor
 from folio.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("folio")
@@ -112,6 +113,8 @@ class Worker:
         )
         if self._wants_decode_graphs():
             self._capture_decode_graphs(num_blocks * config.cache_config.block_size)
+        adaptive = self.device.type == "cpu" and config.cpu_config.adaptive_threads
+        self._threads = CpuThreadGovernor(torch.get_num_threads()) if adaptive else None
 
     def _wants_decode_graphs(self) -> bool:
         """CUDA, not enforce_eager, a real model whose attention backend can be captured (TritonPagedBackend)."""
@@ -222,6 +225,13 @@ class Worker:
         logger.info("Maximum concurrency for %d tokens per request: %.2fx", max_len, num_tokens / max_len)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        if self._threads is not None and (threads := self._threads.threads_for_step()) != torch.get_num_threads():
+            logger.info(
+                "CPU kernels on %d of %d threads (run-queue wait: other processes take cores)",
+                threads,
+                self._threads.max_threads,
+            )
+            torch.set_num_threads(threads)
         return self.model_runner.execute_model(scheduler_output)
 
 
