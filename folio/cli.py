@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import fields
 
 from folio.config import MODEL_IMPLS, SCHEDULING_POLICIES, SUPPORTED_DTYPES, EngineArgs
-from folio.kernels.isa import CPU_ISA_CHOICES
+from folio.kernels.isa import CPU_ISA_CHOICES, cpu_info, is_x86_64, library_isa_env, resolve_cpu_isa
 from folio.logger import init_logger
 
 
@@ -284,6 +284,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _hold_libraries_to_cpu_isa(cpu_isa: str) -> None:
+    """Under a --cpu-isa below this CPU's own, MKL, oneDNN and ATen run at that tier too (their environment
+    variables, set before any of them runs and inherited by the engine's process); a user's own setting wins."""
+    _, flags = cpu_info()
+    native = resolve_cpu_isa("auto", flags, is_x86_64())
+    for name, value in library_isa_env(resolve_cpu_isa(cpu_isa, flags, is_x86_64()), native).items():
+        os.environ.setdefault(name, value)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     ns, unknown = parser.parse_known_args(argv)
@@ -292,6 +301,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ns.extra_args = unknown  # `folio bench sweep` hands them to every `folio serve` it starts
     init_logger()
     try:
+        _hold_libraries_to_cpu_isa(getattr(ns, "cpu_isa", "auto"))
         return int(ns.func(ns))
     except (ValueError, FileNotFoundError) as e:
         print(f"folio: error: {e}", file=sys.stderr)

@@ -105,7 +105,7 @@ def _flop_ceiling(llm: Any, requests: list[SampleRequest], output_tps: float) ->
     worker = llm.llm_engine.executor.worker
     if worker.device.type != "cpu":
         return None
-    matmul = measure_matmul_flops(dtype=worker.dtype)
+    matmul = measure_matmul_flops(dtype=worker.dtype, tier=llm.llm_engine.config.cpu_config.tier())
     lengths = [(len(r.prompt_token_ids), r.output_len) for r in requests]
     ceiling = workload_ceiling(llm.llm_engine.model_spec, lengths, matmul)
     fraction = output_tps / ceiling.output_tokens_per_second

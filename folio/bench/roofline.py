@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from folio.model.layers.cpu_gemm import can_pack, pack_weight, packed_linear
+from folio.kernels.cpu_kernels import CPU_KERNEL_DTYPES, load_cpu_kernels
+from folio.kernels.isa import IsaTier
 from folio.model.spec import ModelSpec
 
 
@@ -33,16 +34,20 @@ class ModelFlops:
         return (prompt_len + output_len - 1) * self.per_token_layers + output_len * self.lm_head
 
 
-def measure_matmul_flops(size: int = 2048, repeats: int = 8, dtype: torch.dtype = torch.float32) -> float:
+def measure_matmul_flops(
+    size: int = 2048, repeats: int = 8, dtype: torch.dtype = torch.float32, tier: IsaTier | None = None
+) -> float:
     """Best FLOP/s of a size x size x size GEMM with torch's current thread count, over every CPU GEMM at hand
-    (MKL's ``torch.mm``, oneDNN with a packed weight, and the engine's own packed GEMM) so the ceiling is the
-    machine's, not one library's. On other devices ``torch.mm`` alone."""
+    (MKL's ``torch.mm``, oneDNN with a packed weight, and the engine's own packed GEMM of ``tier``, default this
+    CPU's best) so the ceiling is the machine's, not one library's. On other devices ``torch.mm`` alone.
+    Under ``--cpu-isa`` the CLI holds MKL and oneDNN to the same tier (folio.kernels.isa.library_isa_env)."""
     a = torch.randn(size, size, dtype=dtype)
     b = torch.randn(size, size, dtype=dtype)
     candidates = [lambda: torch.mm(a, b)]
-    if can_pack(a.device, dtype):
-        packed = pack_weight(b)
-        candidates.append(lambda: packed_linear(a, packed, None))
+    folio_gemm = load_cpu_kernels(tier, dtype).gemm if dtype in CPU_KERNEL_DTYPES else None
+    if folio_gemm is not None:
+        packed = folio_gemm.pack_all([b])[0]
+        candidates.append(lambda: folio_gemm.linear(a, packed, None))
     if a.device.type == "cpu" and torch.backends.mkldnn.is_available():
         onednn = torch.ops.mkldnn._reorder_linear_weight(b, size)
         candidates.append(lambda: torch.ops.mkldnn._linear_pointwise(a, onednn, None, "none", [], ""))

@@ -107,3 +107,27 @@ def compile_flags(tier: IsaTier, native: IsaTier, x86_64: bool = True) -> list[s
     if tier == native:
         return ["-march=native"]
     return [*_MARCH[tier], "-mtune=native"]
+
+
+# What each tier allows torch's own libraries (MKL, oneDNN, ATen's vectorised ops), by their environment variables.
+_LIBRARY_ISA: dict[IsaTier, dict[str, str]] = {
+    IsaTier.GENERIC: {
+        "MKL_ENABLE_INSTRUCTIONS": "SSE4_2",
+        "ONEDNN_MAX_CPU_ISA": "SSE41",
+        "ATEN_CPU_CAPABILITY": "default",
+    },
+    IsaTier.AVX2: {"MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"},
+    IsaTier.AVX512: {
+        "MKL_ENABLE_INSTRUCTIONS": "AVX512",
+        "ONEDNN_MAX_CPU_ISA": "AVX512_CORE",
+        "ATEN_CPU_CAPABILITY": "avx512",
+    },
+}
+
+
+def library_isa_env(tier: IsaTier, native: IsaTier) -> dict[str, str]:
+    """The environment that holds MKL, oneDNN and ATen to ``tier`` on a CPU whose own tier is ``native`` (empty
+    when they are equal): a process started with ``--cpu-isa avx2`` on an AVX-512 machine then runs every library
+    as an AVX2 machine would, not only Folio's kernels, so its figures stand for that tier. The libraries read it
+    once, when first used: the CLI sets it at process start, before any of them runs."""
+    return {} if tier >= native else dict(_LIBRARY_ISA[tier])
