@@ -20,23 +20,17 @@ import ctypes
 import time
 
 from folio import LLM, SamplingParams
-from folio.attention.backends import cpu_paged
 from folio.bench.datasets import DEFAULT_W1_PATH, load_w1
-from folio.kernels import cpu_gemm, cpu_ops
-from folio.model import cpu_fused
+from folio.kernels import cpu_kernels
 from folio.model.cpu_fused import PHASES
-
-_LOADER_USERS = (cpu_fused, cpu_paged, cpu_ops, cpu_gemm)  # the modules that import load_kernel_library
 
 
 def build_with(path: str, dtype: str) -> LLM:
-    """An LLM whose kernels all come from the library at ``path`` (the loaders' caches cleared first)."""
+    """An LLM whose kernels all come from the library at ``path`` (the engine's one loader, cpu_kernels, patched
+    and its cache cleared first; the plan follows the tier the library reports)."""
     lib = ctypes.CDLL(path)
-    for module in _LOADER_USERS:
-        module.load_kernel_library = lambda name, lib=lib: lib  # type: ignore[attr-defined]
-        for value in list(vars(module).values()):
-            if hasattr(value, "cache_clear"):
-                value.cache_clear()
+    cpu_kernels.load_kernel_library = lambda name, tier=None, lib=lib: lib  # type: ignore[assignment]
+    cpu_kernels.load_cpu_kernels.cache_clear()
     return LLM(dtype=dtype, enable_prefix_caching=False, kv_cache_memory_bytes=2 << 30)
 
 
