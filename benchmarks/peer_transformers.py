@@ -2,11 +2,15 @@
 
     .venv/bin/python benchmarks/peer_transformers.py                    # batch sizes 8, 32, 64
     .venv/bin/python benchmarks/peer_transformers.py --batch-sizes 64 --num-prompts 64
+    .venv/bin/python benchmarks/peer_transformers.py --cpu-isa avx2   # both sides as on an AVX2 CPU
 
 Same weights (the default GGUF, dequantized to float32 by transformers), same dtype, same token ids (W1), 128
 new tokens each, greedy. transformers cannot ignore EOS in generate, so `min_new_tokens` holds EOS back for it
 (both sides produce exactly the same number of tokens). Needs only what the project's dev install has
 (transformers, accelerate, gguf). Prints each peer's output tok/s, Folio's, and the ratio to the best peer.
+With --cpu-isa below this CPU's own tier, the script re-runs itself with MKL, oneDNN and ATen held to that tier
+(folio.kernels.isa.library_isa_env): transformers and the ceiling then run as on a CPU of that tier, and Folio
+builds its kernels for it.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -21,6 +26,8 @@ import torch
 
 from folio import LLM, SamplingParams
 from folio.bench.roofline import measure_matmul_flops, workload_ceiling
+from folio.config import CpuConfig
+from folio.kernels.isa import cpu_info, detect_tier, library_isa_env
 from folio.model.loader import default_model_path, read_model_spec
 
 W1 = Path(__file__).resolve().parents[2] / "shared" / "workloads" / "w1_prompts.json"
@@ -63,8 +70,8 @@ def run_transformers(
     return num_out / (time.perf_counter() - start)
 
 
-def run_folio(prompts: list[list[int]], output_len: int) -> float:
-    llm = LLM(dtype="float32")
+def run_folio(prompts: list[list[int]], output_len: int, cpu_isa: str) -> float:
+    llm = LLM(dtype="float32", cpu_isa=cpu_isa)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     start = time.perf_counter()
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -78,18 +85,24 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--batch-sizes", default="8,32,64", help="transformers static batch sizes to try")
     parser.add_argument("--output-json", default=None, help="write the figures as JSON here")
+    parser.add_argument("--cpu-isa", default="auto", help="the ISA tier of every side (default: this CPU's)")
     args = parser.parse_args()
+    tier = CpuConfig(isa=args.cpu_isa).tier()
+    held = library_isa_env(tier, detect_tier(cpu_info()[1]))
+    if any(os.environ.get(name) != value for name, value in held.items()):  # before MKL / oneDNN / ATen start
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **held})
+    print(f"every side at ISA tier {tier.flag_name} ({held or 'the CPU as it is'})", flush=True)
     data = json.loads(Path(args.workload).read_text())
     prompts = [p["ids"] for p in data["prompts"]][: args.num_prompts]
     spec = read_model_spec(default_model_path())
-    matmul = measure_matmul_flops()
+    matmul = measure_matmul_flops(tier=tier)
     ceiling = workload_ceiling(spec, [(len(p), args.output_len) for p in prompts], matmul)
     print(
         f"FLOP ceiling: {ceiling.workload_flops / 1e12:.2f} TFLOP of matmuls at a measured {matmul / 1e9:.0f} GFLOP/s "
         f"(best float32 GEMM, 2048^3) -> {ceiling.output_tokens_per_second:.0f} output tok/s",
         flush=True,
     )
-    folio_tps = run_folio(prompts, args.output_len)
+    folio_tps = run_folio(prompts, args.output_len, args.cpu_isa)
     print(
         f"folio: {folio_tps:.1f} output tok/s = {100 * folio_tps / ceiling.output_tokens_per_second:.0f}% of the "
         "FLOP ceiling",

@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/peer_vllm_offline.py                       # bfloat16 and float32
     .venv/bin/python benchmarks/peer_vllm_offline.py --dtypes bfloat16 --repeats 3
+    .venv/bin/python benchmarks/peer_vllm_offline.py --dtypes float32 --cpu-isa avx2   # Folio as on an AVX2 CPU
 
 The offline peer of target 1 (issue 4): both engines get W1's 64 prompts as token ids at once, 128 new tokens
 each, greedy, EOS ignored, prefix caching off (W1 repeats nothing, and repeated runs must not hit a warm cache),
@@ -55,14 +56,14 @@ if __name__ == "__main__":  # vLLM spawns its engine core: the module must be im
     main()
 """
 
-# Runs in Folio's venv, the same shape as VLLM_SCRIPT.
+# Runs in Folio's venv, the same shape as VLLM_SCRIPT, plus the --cpu-isa tier.
 FOLIO_SCRIPT = """
 import json, sys, time
 from folio import LLM, SamplingParams
 
-model, dtype, w1, repeats = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+model, dtype, w1, repeats, cpu_isa = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5]
 prompts = [{"prompt_token_ids": p["ids"]} for p in json.load(open(w1))["prompts"]]
-llm = LLM(model=model, dtype=dtype, max_model_len=2048, seed=0, enable_prefix_caching=False)
+llm = LLM(model=model, dtype=dtype, max_model_len=2048, seed=0, enable_prefix_caching=False, cpu_isa=cpu_isa)
 llm.generate(prompts[:4], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
 params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
 for _ in range(repeats):
@@ -71,6 +72,31 @@ for _ in range(repeats):
     elapsed = time.perf_counter() - start
     print("RESULT", sum(len(o.outputs[0].token_ids) for o in outs) / elapsed, flush=True)
 """
+
+
+# Runs in Folio's venv: argv = dtype, cpu_isa, w1 path; prints W1's FLOP ceiling as JSON (folio.bench.roofline).
+CEILING_SCRIPT = """
+import json, sys
+import torch
+from folio.bench.datasets import load_w1
+from folio.bench.roofline import measure_matmul_flops, workload_ceiling
+from folio.config import CpuConfig
+from folio.model.loader import default_model_path, read_model_spec
+
+dtype, cpu_isa, w1 = sys.argv[1], sys.argv[2], sys.argv[3]
+requests = [(r.prompt_len, r.output_len) for r in load_w1(w1, 64, 128)]
+matmul = measure_matmul_flops(dtype=getattr(torch, dtype), tier=CpuConfig(isa=cpu_isa).tier())
+ceiling = workload_ceiling(read_model_spec(default_model_path()), requests, matmul)
+print(json.dumps({"gflops": matmul / 1e9, "output_tokens_per_second": ceiling.output_tokens_per_second}))
+"""
+
+
+def folio_env(cpu_isa: str) -> dict[str, str]:
+    """Below this CPU's own tier, MKL, oneDNN and ATen are held to the tier as well (as `folio --cpu-isa` does)."""
+    from folio.kernels.isa import cpu_info, detect_tier, library_isa_env, resolve_cpu_isa
+
+    flags = cpu_info()[1]
+    return {**os.environ, **library_isa_env(resolve_cpu_isa(cpu_isa, flags), detect_tier(flags))}
 
 
 def vllm_env() -> dict[str, str]:
@@ -98,6 +124,9 @@ def main() -> None:
     parser.add_argument("--dtypes", default="bfloat16,float32", help="dtypes to run, in order (default both)")
     parser.add_argument("--repeats", type=int, default=2, help="timed W1 runs per engine process (default 2)")
     parser.add_argument("--rounds", type=int, default=2, help="vLLM/Folio process pairs per dtype (default 2)")
+    parser.add_argument(
+        "--cpu-isa", default="auto", help="Folio's --cpu-isa (the ceiling's too); vLLM runs as it is (default auto)"
+    )
     ns = parser.parse_args()
     header(
         [
@@ -117,10 +146,12 @@ def main() -> None:
             runs["vllm"] += run_engine(cmd, vllm_env(), logs / f"vllm_offline_{dtype}_{round_index}.log")
             log(f"{dtype} round {round_index + 1}/{ns.rounds}: Folio")
             cmd = [str(FOLIO_PYTHON), "-c", FOLIO_SCRIPT, default_model_path(), dtype, str(W1), str(ns.repeats)]
-            runs["folio"] += run_engine(cmd, None, logs / f"folio_offline_{dtype}_{round_index}.log")
+            cmd.append(ns.cpu_isa)
+            runs["folio"] += run_engine(cmd, folio_env(ns.cpu_isa), logs / f"folio_offline_{dtype}_{round_index}.log")
             log(f"  vLLM {runs['vllm'][-ns.repeats :]}, Folio {runs['folio'][-ns.repeats :]}")
         results[dtype] = runs
-    ceilings = {dtype: flop_ceiling(dtype) for dtype in results}  # after the engines: a quiet machine
+    ceilings = {dtype: flop_ceiling(dtype, ns.cpu_isa) for dtype in results}  # after the engines: a quiet machine
+    print(f"\nFolio --cpu-isa {ns.cpu_isa}; vLLM as installed")
     columns = ["vLLM best (median) output tok/s", "Folio best (median)", "Folio / vLLM (best)", "FLOP ceiling"]
     print("\n| dtype | " + " | ".join(columns) + " | Folio / ceiling |")
     print("| --- | --- | --- | --- | --- | --- |")
@@ -142,18 +173,13 @@ def main() -> None:
     (RESULTS / "peer_vllm_offline.json").write_text(json.dumps(out, indent=2))
 
 
-def flop_ceiling(dtype: str) -> dict[str, float]:
-    """W1's matmul FLOPs over the best 2048^3 GEMM measured now in this dtype (folio.bench.roofline)."""
-    import torch
-
-    from folio.bench.datasets import load_w1
-    from folio.bench.roofline import measure_matmul_flops, workload_ceiling
-    from folio.model.loader import read_model_spec
-
-    requests = [(r.prompt_len, r.output_len) for r in load_w1(str(W1), 64, 128)]
-    matmul = measure_matmul_flops(dtype=getattr(torch, dtype))
-    ceiling = workload_ceiling(read_model_spec(default_model_path()), requests, matmul)
-    return {"gflops": matmul / 1e9, "output_tokens_per_second": ceiling.output_tokens_per_second}
+def flop_ceiling(dtype: str, cpu_isa: str) -> dict[str, float]:
+    """W1's matmul FLOPs over the best 2048^3 GEMM measured now in this dtype at Folio's tier, in a process whose
+    libraries are held to that tier (CEILING_SCRIPT)."""
+    cmd = [str(FOLIO_PYTHON), "-c", CEILING_SCRIPT, dtype, cpu_isa, str(W1)]
+    out = subprocess.run(cmd, env=folio_env(cpu_isa), capture_output=True, text=True, check=True).stdout
+    result: dict[str, float] = json.loads(out.strip().splitlines()[-1])
+    return result
 
 
 if __name__ == "__main__":
