@@ -67,6 +67,9 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     num_preemptions: int = 0
+    # Prompt positions 0..n-1 whose prompt logprobs went out: kept across preemption, whose recompute from
+    # position 0 yields those rows again (Scheduler drops them instead of delivering them twice).
+    num_prompt_logprobs_delivered: int = 0
     first_scheduled_time: float | None = None  # time.monotonic() when first given tokens (queue-time metric)
 
     @property

@@ -200,21 +200,25 @@ class Worker:
         return budget
 
     @torch.inference_mode()
-    def _profile_run(self) -> None:
-        """One forward of max_num_batched_tokens tokens as prefills of up to max_model_len, on a scratch cache."""
+    def _profile_run(self) -> torch.Tensor:
+        """One forward of max_num_batched_tokens tokens as prefills of up to max_model_len, on a scratch cache.
+
+        Returns the logits of its last min(max_num_seqs, max_num_batched_tokens) tokens [rows, vocab] (float32),
+        so that tests can check it ran the forward it claims; the caller measures the peak memory and drops them.
+        """
         sched = self.config.scheduler_config
         block_size = self.config.cache_config.block_size
         num_tokens = sched.max_num_batched_tokens
-        seq_len = min(num_tokens, sched.max_model_len)
-        lens = [seq_len] * (num_tokens // seq_len) + ([num_tokens % seq_len] if num_tokens % seq_len else [])
+        lens = profile_prefill_lens(num_tokens, sched.max_model_len)
         tables = assign_contiguous_blocks(lens, block_size)
         caches = self.kv_shape.allocate(sum(len(t) for t in tables), self.device)
         attn = build_attn_metadata(lens, lens, tables, block_size, self.device)
         positions = torch.tensor(compute_positions(lens, lens), device=self.device)
         input_ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
         hidden = self.model(input_ids, positions, caches, attn)
-        self.model.compute_logits(hidden[-min(sched.max_num_seqs, num_tokens) :])
+        logits = self.model.compute_logits(hidden[-min(sched.max_num_seqs, num_tokens) :])
         del caches, hidden
+        return logits
 
     def _report_capacity(self, num_blocks: int) -> None:
         block_size = self.config.cache_config.block_size
@@ -233,6 +237,15 @@ class Worker:
             )
             torch.set_num_threads(threads)
         return self.model_runner.execute_model(scheduler_output)
+
+
+def profile_prefill_lens(num_tokens: int, max_model_len: int) -> list[int]:
+    """The profiling run's prefills: ``num_tokens`` split into sequences of max_model_len, the rest last.
+
+    Example: 300 tokens, max_model_len 128 -> [128, 128, 44]; 100 tokens -> [100].
+    """
+    seq_len = min(num_tokens, max_model_len)
+    return [seq_len] * (num_tokens // seq_len) + ([num_tokens % seq_len] if num_tokens % seq_len else [])
 
 
 def _default_cpu_kv_bytes() -> int:

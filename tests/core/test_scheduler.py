@@ -345,6 +345,56 @@ def test_preempted_request_returns_to_front_or_priority_order(policy: str, expec
     run_to_completion(scheduler, worker)
 
 
+def test_prompt_logprobs_delivered_before_a_preemption_are_not_delivered_again() -> None:
+    """The worker scores every prompt position it computes; after a preemption mid-prefill the recompute from
+    position 0 scores positions 0..3 again, and update_from_output must deliver each position exactly once.
+
+    2 blocks of 4 tokens, 4 tokens a step: step 1 a[0:3] + b[0:1], step 2 a[3] + b[1:4] (b delivered positions
+    0..3), step 3 a's position 4 needs a second block: b is preempted. a runs to its end (positions 0..7 fill both
+    blocks), then b from position 0 again: [0:4) (all 4 rows already delivered), [4:8) (positions 4..6 and b's
+    token).
+    """
+    scheduler = make_scheduler(num_blocks=2, max_num_batched_tokens=4)
+    a = make_request("a", tokens(0, 3), max_tokens=6)
+    b = make_request("b", tokens(100, 8), max_tokens=1, prompt_logprobs=1)
+    scheduler.add_request(a)
+    scheduler.add_request(b)
+    b_chunks: list[tuple[int, int]] = []
+    delivered: list[int] = []  # the prompt positions of b's delivered rows, in order
+    while scheduler.has_unfinished_requests():
+        so = scheduler.schedule()
+        req_ids: list[str] = []
+        sampled: list[list[int]] = []
+        prompt_rows: dict[str, LogprobsLists] = {}
+        for req_id, num_new in so.num_scheduled_tokens.items():
+            request = scheduler.requests[req_id]
+            start, end = request.num_computed_tokens - num_new, request.num_computed_tokens
+            req_ids.append(req_id)
+            sampled.append([7] if end >= request.num_tokens else [])
+            # As the worker does: position p scores prompt token p + 1; the logprob encodes the position.
+            positions = range(start, min(end, request.num_prompt_tokens - 1))
+            if req_id == "b":
+                b_chunks.append((start, end))
+                if not request.output_token_ids and positions:
+                    ids = [[request.prompt_token_ids[p + 1], 5] for p in positions]
+                    values = [[-float(p), -9.0] for p in positions]
+                    prompt_rows[req_id] = LogprobsLists(ids, values, [1] * len(positions))
+        runner_output = ModelRunnerOutput(req_ids, sampled, [None] * len(req_ids), prompt_rows)
+        outputs = scheduler.update_from_output(so, runner_output)
+        for out in outputs:
+            if out.new_prompt_logprobs is not None:
+                assert out.request_id == "b"
+                delivered += [int(-row[0]) for row in out.new_prompt_logprobs.logprobs]
+                assert [row[0] for row in out.new_prompt_logprobs.token_ids] == [
+                    b.prompt_token_ids[int(-row[0]) + 1] for row in out.new_prompt_logprobs.logprobs
+                ]
+    assert b_chunks == [(0, 1), (1, 4), (0, 4), (4, 8)]
+    assert (b.num_preemptions, a.output_token_ids, b.output_token_ids) == (1, [7] * 6, [7])
+    assert delivered == list(range(7))  # positions 0..6 score prompt tokens 1..7, each once
+    assert b.num_prompt_logprobs_delivered == 7
+    scheduler.kv_cache_manager.assert_no_leaks()
+
+
 def test_logprobs_pass_through_and_prompt_logprobs_of_partial_prefill() -> None:
     scheduler = make_scheduler(max_num_batched_tokens=4)
     scheduler.add_request(make_request("r", tokens(0, 6), max_tokens=3, stop_token_ids=[7]))

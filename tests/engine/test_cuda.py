@@ -15,6 +15,7 @@ import torch
 
 from folio import LLM, SamplingParams
 from folio.attention.backends.triton_paged import TritonPagedBackend
+from folio.worker.worker import profile_prefill_lens
 from tests.engine.conftest import assert_no_leaks, greedy_verdicts
 from tests.engine.greedy_compare import GreedyRun
 
@@ -45,7 +46,28 @@ def test_auto_dtype_and_profiled_kv_cache_on_cuda(tokenizer: object, hf_referenc
 
 
 def test_profile_run_on_any_device(make_llm: Callable[..., LLM]) -> None:
-    """The memory-profiling forward that sizes the KV cache on CUDA is device-agnostic: run it here too."""
-    llm = make_llm(max_model_len=128, max_num_batched_tokens=300)
-    llm.llm_engine.executor.worker._profile_run()  # three prefills: 128 + 128 + 44 tokens
+    """The memory-profiling forward that sizes the KV cache on CUDA is device-agnostic: run it here too, and check
+    what it produces: the model's logits for the last max_num_seqs of max_num_batched_tokens tokens, split into
+    prefills of up to max_model_len, computed on a scratch cache that leaves the engine's KV cache as it was."""
+    assert (profile_prefill_lens(300, 128), profile_prefill_lens(100, 128)) == ([128, 128, 44], [100])
+    llm = make_llm(max_model_len=128, max_num_batched_tokens=300, max_num_seqs=64, num_gpu_blocks_override=32)
+    worker = llm.llm_engine.executor.worker
+    kv_before = [cache.clone() for cache in worker.model_runner.kv_caches]
+
+    logits = worker._profile_run()  # prefills of 128, 128 and 44 times token 0; logits of the last 64 tokens
+
+    assert logits.shape == (64, worker.spec.vocab_size) and logits.dtype == torch.float32
+    kv_after = worker.model_runner.kv_caches
+    assert all(torch.equal(after, before) for after, before in zip(kv_after, kv_before, strict=True)), (
+        "the profile run wrote the KV cache"
+    )
+    # Every position holds token 0, so every position attends to equal values: each row is the model's
+    # prediction after the one-token prompt [0], which the engine's own forward gives as its top-5 logprobs.
+    params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=5)
+    (step,) = llm.generate([{"prompt_token_ids": [0]}], params, use_tqdm=False)[0].outputs[0].logprobs or []
+    top5 = sorted(step.items(), key=lambda item: -item[1].logprob)[:5]
+    for row in torch.log_softmax(logits, dim=-1):
+        values, token_ids = row.topk(5)
+        assert token_ids.tolist() == [token_id for token_id, _ in top5]
+        torch.testing.assert_close(values, torch.tensor([lp.logprob for _, lp in top5]), rtol=0, atol=1e-3)
     assert_no_leaks(llm)

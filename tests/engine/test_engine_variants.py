@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from folio import LLM, SamplingParams
-from tests.engine.conftest import assert_no_leaks
+from tests.engine.conftest import TEST_KV_BYTES, assert_no_leaks, greedy_verdicts
 from tests.engine.greedy_compare import GreedyRun, compare_greedy, from_folio_output
 from tests.engine.prompts import all_prompt_token_ids
 
@@ -77,15 +77,22 @@ def test_batch_of_one_versus_sixteen(llm: LLM, prompts: list[list[int]], baselin
     assert_all_close(baseline, runs16[: len(prompts)])
 
 
-def test_bfloat16_on_cpu_agrees_with_float32(prompts: list[list[int]], baseline: list[GreedyRun]) -> None:
-    """bfloat16 on the CPU (oneDNN bf16 GEMMs, the paged kernel over a bf16 cache) against the float32 baseline:
-    rounding may change a token, but never to one outside the other side's top-5 at the first divergence."""
-    from tests.engine.conftest import TEST_KV_BYTES
+def test_bfloat16_on_cpu_agrees_with_float32(tokenizer: Any, hf_reference: list[GreedyRun]) -> None:
+    """bfloat16 on the CPU (oneDNN bf16 GEMMs, the paged kernel over a bf16 cache) against transformers in
+    float32, the reference every engine is held to: on every one of the reference prompts, greedy tokens
+    identical or, at the first divergence, each side's token in the other's top-5 (greedy_verdicts raises where
+    that fails). Held to transformers, not to Folio's float32 run: a fault both dtypes share (e.g. rotary applied
+    at the wrong positions) keeps bfloat16 close to Folio's float32 but not to the reference.
 
+    bfloat16 rounding flips near-ties, and which ones depends on the CPU's kernels: 7 of the 11 were identical
+    on an AMD EPYC with avx512_bf16 (diverged at steps 6, 12, 25 and 28). At least 5 are asked, so that a drift
+    the one-step rule would let through on every prompt still fails."""
     bf16 = LLM(dtype="bfloat16", kv_cache_memory_bytes=TEST_KV_BYTES)
-    runs = run_greedy(bf16, prompts)
-    verdicts = [compare_greedy(b, r, f"prompt {i}") for i, (b, r) in enumerate(zip(baseline, runs, strict=True))]
-    assert verdicts.count("identical") >= 1, verdicts  # most prompts should agree on every token; one at least
+    verdicts = greedy_verdicts(bf16, tokenizer, hf_reference)
+    print("bfloat16 on CPU vs transformers float32:", verdicts)
+    assert len(verdicts) == len(hf_reference) == 11
+    assert verdicts.count("identical") >= 5, verdicts
+    assert_no_leaks(bf16)
 
 
 def test_kv_cache_layout_follows_the_backend(llm: LLM) -> None:

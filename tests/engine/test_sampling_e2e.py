@@ -110,6 +110,48 @@ def test_logprobs_and_prompt_logprobs(llm: LLM) -> None:
     assert_no_leaks(llm)
 
 
+def test_prompt_logprobs_once_per_token_when_preempted_during_chunked_prefill(
+    make_llm: Callable[..., LLM], tokenizer: Any
+) -> None:
+    """A request preempted mid-prefill recomputes its prompt from position 0; the positions it had already
+    delivered prompt logprobs for must not be delivered again (they were, twice, before the fix).
+
+    The KV cache holds 2 blocks of 16 tokens and a step 16 tokens. "a" (15 prompt tokens) comes first, "b" (30,
+    with prompt_logprobs) second: step 1 runs a[0:15] + b[0:1], step 2 a's position 15 + b[1:16], and in step 3
+    a's position 16 needs a second block: b, last in running, is preempted after positions 0..15 delivered their
+    prompt logprobs. a then fills both blocks until it finishes, and b runs again from position 0.
+    """
+    llm = make_llm(max_model_len=32, num_gpu_blocks_override=2, max_num_batched_tokens=16)
+    text_ids = tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 6, add_special_tokens=False)
+    prompt_a, prompt_b = text_ids[:15], text_ids[15:45]
+    assert (len(prompt_a), len(prompt_b)) == (15, 30)
+    params_a = SamplingParams(temperature=0, max_tokens=17, ignore_eos=True)
+    params_b = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, prompt_logprobs=2)
+
+    alone = llm.generate([{"prompt_token_ids": prompt_b}], params_b, use_tqdm=False)[0]
+    assert llm.llm_engine.scheduler.num_preemptions_total == 0
+    out_a, out_b = llm.generate(
+        [{"prompt_token_ids": prompt_a}, {"prompt_token_ids": prompt_b}], [params_a, params_b], use_tqdm=False
+    )
+    assert llm.llm_engine.scheduler.num_preemptions_total == 1, "b must be preempted once, during its prefill"
+    assert len(out_a.outputs[0].token_ids) == 17
+
+    # One entry per prompt token, the first None (no token before it), as vLLM returns them.
+    assert out_b.prompt_logprobs is not None and len(out_b.prompt_logprobs) == len(prompt_b)
+    assert out_b.prompt_logprobs[0] is None
+    assert alone.prompt_logprobs is not None and len(alone.prompt_logprobs) == len(prompt_b)
+    for position, (token_id, got, want) in enumerate(
+        zip(prompt_b[1:], out_b.prompt_logprobs[1:], alone.prompt_logprobs[1:], strict=True), start=1
+    ):
+        assert got is not None and want is not None
+        assert token_id in got and sorted(got) == sorted(want), position  # the prompt token and the same top-2
+        for token in want:
+            assert got[token].rank == want[token].rank, (position, token)
+            assert math.isclose(got[token].logprob, want[token].logprob, abs_tol=1e-4), (position, token)
+    assert out_b.outputs[0].token_ids == alone.outputs[0].token_ids
+    assert_no_leaks(llm)
+
+
 def test_multibyte_text_is_clean(llm: LLM) -> None:
     out = llm.generate(
         ["Les caractères accentués: é, è, à, ç. En japonais: こんにちは"],

@@ -278,10 +278,14 @@ def test_logprobs_shapes_values_and_ranks() -> None:
     assert lp.token_ids[:, 1:].tolist() == ref.topk(3).indices.tolist()
     assert lp.ranks[0].item() == 1  # greedy pick is the most likely
     assert lp.ranks[1].item() == 1 + int((ref[1] > ref[1, 0]).sum())  # biased pick: rank in the raw distribution
-    rows = lp.split_rows(md_num_logprobs := [3, 1, None])
-    assert rows[2] is None and md_num_logprobs[0] == 3
-    assert rows[0] is not None and len(rows[0].token_ids[0]) == 4
-    assert rows[1] is not None and rows[1].token_ids == [[0, lp.token_ids[1, 1].item()]]
+    # One row per request, cut to its own k: the chosen token + its top-k, the chosen token's rank; None for none.
+    rows = lp.split_rows([3, 1, None])
+    assert rows[2] is None
+    assert rows[0] is not None and rows[1] is not None
+    assert rows[0].token_ids == [lp.token_ids[0].tolist()] and rows[0].logprobs == [lp.logprobs[0].tolist()]
+    assert rows[1].token_ids == [[0, lp.token_ids[1, 1].item()]]
+    assert rows[1].logprobs == [lp.logprobs[1, :2].tolist()]
+    assert (rows[0].ranks, rows[1].ranks) == ([1], [lp.ranks[1].item()])
     lists = lp.tolists()
     assert lists.ranks == lp.ranks.tolist() and len(lists.token_ids) == 3
 
