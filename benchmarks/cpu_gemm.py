@@ -10,12 +10,13 @@ copies of each weight are cycled through, as a decode step walks 30 layers, so t
 they do in the engine; larger M is compute-bound and cycles through two. Each tier's library is Folio's GEMM
 body for that tier (tested on every tier, whether or not the engine's plan chooses it there); oneDNN is measured
 in the same run, with whatever ISA it picks (``--onednn-max-isa`` caps it through ONEDNN_MAX_CPU_ISA, which
-oneDNN reads on its first use). Prints GFLOP/s (best of --repeats); nothing is asserted.
+oneDNN reads on its first use). Prints GFLOP/s of the fastest call; nothing is asserted.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import time
 from collections.abc import Callable
@@ -29,38 +30,35 @@ from folio.kernels.isa import IsaTier, cpu_info
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
 
 
-def best_seconds(fn: Callable[[], None], repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
+def best_call_seconds(
+    runners: list[list[Callable[[], None]]], rounds: int, clock: Callable[[], float] = time.perf_counter
+) -> list[float]:
+    """Each implementation's fastest single call: ``rounds`` rounds, each calling every implementation on every
+    weight copy in turn (after one warm-up round). Calls are timed one by one and the fastest kept, so that on a
+    shared machine a call interrupted by another process does not count and every implementation gets the same
+    chances at a quiet moment; the weights still cycle through all copies, so they come from memory."""
+    best = [float("inf")] * len(runners)
+    for r in range(rounds + 1):
+        for i, calls in enumerate(runners):
+            for call in calls:
+                start = clock()
+                call()
+                if r > 0:
+                    best[i] = min(best[i], clock() - start)
     return best
 
 
-def gflops_folio(gemm: CpuGemm, weights: list[torch.Tensor], x: torch.Tensor, flops: int, repeats: int) -> float:
-    packed = gemm.pack_all(weights)
-
-    def run() -> None:
-        for p in packed:
-            gemm.linear(x, p, None)
-
-    return flops / best_seconds(run, repeats) / 1e9
+def folio_calls(gemm: CpuGemm, weights: list[torch.Tensor], x: torch.Tensor) -> list[Callable[[], None]]:
+    return [functools.partial(gemm.linear, x, p, None) for p in gemm.pack_all(weights)]
 
 
-def gflops_onednn(weights: list[torch.Tensor], x: torch.Tensor, flops: int, repeats: int) -> float | None:
+def onednn_calls(weights: list[torch.Tensor], x: torch.Tensor) -> list[Callable[[], None]] | None:
     try:
         packed = [torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in weights]
         torch.ops.mkldnn._linear_pointwise(x, packed[0], None, "none", [], "")
     except RuntimeError:  # e.g. bfloat16 below AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT: oneDNN refuses
         return None
-
-    def run() -> None:
-        for p in packed:
-            torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
-
-    return flops / best_seconds(run, repeats) / 1e9
+    return [functools.partial(torch.ops.mkldnn._linear_pointwise, x, p, None, "none", [], "") for p in packed]
 
 
 def main() -> None:
@@ -71,10 +69,20 @@ def main() -> None:
     parser.add_argument("--shapes", default="qkv,gate_up,down", help=f"comma-separated, of {', '.join(SHAPES)}")
     parser.add_argument("--onednn-max-isa", default="", help="sets ONEDNN_MAX_CPU_ISA (e.g. AVX2, AVX512_CORE)")
     parser.add_argument("--no-onednn", action="store_true", help="Folio's GEMM only")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=0, help="torch / OpenMP threads (default: torch's)")
+    parser.add_argument(
+        "--cpu-time", action="store_true", help="with --threads 1: time calls by the thread's CPU time, not the wall"
+    )
+    parser.add_argument("--rounds", type=int, default=7, help="timed calls of each implementation, best kept")
     ns = parser.parse_args()
     if ns.onednn_max_isa:
         os.environ["ONEDNN_MAX_CPU_ISA"] = ns.onednn_max_isa  # before oneDNN's first primitive reads it
+    if ns.threads:
+        torch.set_num_threads(ns.threads)
+    if ns.cpu_time and torch.get_num_threads() != 1:
+        raise SystemExit("--cpu-time needs --threads 1: the calling thread must do all the work")
+    # One thread's CPU time leaves out the time other processes held its core: steady figures on a shared machine.
+    clock = time.thread_time if ns.cpu_time else time.perf_counter
     native = native_tier()
     names = ns.tiers.split(",") if ns.tiers else [t.flag_name for t in IsaTier if IsaTier.AVX2 <= t <= native]
     gemms = {}
@@ -85,7 +93,8 @@ def main() -> None:
         gemms[name] = CpuGemm(lib)
     onednn_isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "its best")
     threads = torch.get_num_threads()
-    print(f"CPU {cpu_info()[0]} (best tier {native.flag_name}), {threads} threads; oneDNN ISA: {onednn_isa}")
+    timing = "CPU time" if ns.cpu_time else "wall time"
+    print(f"CPU {cpu_info()[0]} (best tier {native.flag_name}), {threads} threads, {timing}; oneDNN ISA: {onednn_isa}")
     print("GFLOP/s per shape: " + " / ".join([*names, "onednn"]))
     torch.manual_seed(0)
     for dtype_name in ns.dtypes.split(","):
@@ -97,10 +106,12 @@ def main() -> None:
                 copies = 1 if shape == "lm_head" else (30 if m <= 64 else 2)
                 weights = [torch.randn(n, k).to(dtype) for _ in range(copies)]
                 x = torch.randn(m, k).to(dtype)
-                flops = 2 * m * n * k * copies
-                figures = [gflops_folio(gemm, weights, x, flops, ns.repeats) for gemm in gemms.values()]
-                onednn = None if ns.no_onednn else gflops_onednn(weights, x, flops, ns.repeats)
-                text = " / ".join(f"{g:4.0f}" for g in figures) + (" / -" if onednn is None else f" / {onednn:4.0f}")
+                flops = 2 * m * n * k  # one call
+                runners = [folio_calls(gemm, weights, x) for gemm in gemms.values()]
+                onednn = None if ns.no_onednn else onednn_calls(weights, x)
+                seconds = best_call_seconds([*runners, *([onednn] if onednn is not None else [])], ns.rounds, clock)
+                figures = [f"{flops / t / 1e9:4.0f}" for t in seconds] + (["   -"] if onednn is None else [])
+                text = " / ".join(figures)
                 cells.append(f"{shape} {text}")
             print(f"{dtype_name:8s} M={m:5d}  " + "   ".join(cells), flush=True)
 

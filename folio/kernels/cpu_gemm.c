@@ -184,6 +184,7 @@ typedef __m512i gv_i32;
 #define gv_shl16(v) _mm512_castsi512_ps(_mm512_slli_epi32(v, 16))
 #define gv_high16(v) _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int32_t)0xffff0000u)))
 #define gv_store store16
+#define gv_keep_in_register(v) (void)(v)
 #elif GEMM_VEC_BITS == 256
 /* 8 float32 rounded to bfloat16 (nearest even, as f32_to_bf16 and torch; NaN stays NaN) */
 static inline __m128i gemm_f32x8_to_bf16(__m256 v) {
@@ -241,6 +242,9 @@ typedef __m256i gv_i32;
 #define gv_shl16(v) _mm256_castsi256_ps(_mm256_slli_epi32(v, 16))
 #define gv_high16(v) _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int32_t)0xffff0000u)))
 #define gv_store gemm_store8
+/* Holds a weight vector in a register: else gcc folds its load into each row's FMA (4 loads of it per k instead of
+ * one), and the tile ran at 87 GFLOP/s per core against 113-125 for oneDNN's AVX2 kernel (Zen 5, avx2 build). */
+#define gv_keep_in_register(v) __asm__("" : "+x"(v))
 #endif
 
 #if GEMM_VEC_BITS > 0
@@ -250,6 +254,17 @@ typedef __m256i gv_i32;
 #else
 #define FOR_EACH_TILE_ROWS(F) F(4) F(3) F(2) F(1)
 #endif
+
+/* A tile's prefetches at step s (weights at w): its own block ahead, the next block's share, the side lines. */
+#define TILE_PREFETCH(w, s)                                                                                       \
+    _mm_prefetch((const char *)w + PREFETCH_BYTES, _MM_HINT_T0);                                                  \
+    _mm_prefetch((const char *)w + PREFETCH_BYTES + 64, _MM_HINT_T0);                                             \
+    if (STEP_BYTES > 128) _mm_prefetch((const char *)w + PREFETCH_BYTES + 128, _MM_HINT_T0);                      \
+    if ((s & nb.every_mask) == 0 && nb.next < nb.end) {                                                          \
+        _mm_prefetch(nb.next, _MM_HINT_T1);                                                                       \
+        nb.next += 64;                                                                                            \
+    }                                                                                                             \
+    if ((s & sp.every_mask) == 0 && sp.index < sp.count) side_prefetch_step(&sp);
 
 /* One tile of MR rows x BLOCK_N columns over the whole K. The element type's step (one k for float32, a k pair for
  * bfloat16) is STEP_FMA; MR is a compile-time constant so the accumulators stay in registers. */
@@ -264,14 +279,7 @@ typedef __m256i gv_i32;
         const int64_t steps = K_STEPS;                                                                            \
         for (int64_t s = 0; s < steps; ++s) {                                                                     \
             const T *w = (const T *)((const char *)wb + s * STEP_BYTES);                                          \
-            _mm_prefetch((const char *)w + PREFETCH_BYTES, _MM_HINT_T0);                                          \
-            _mm_prefetch((const char *)w + PREFETCH_BYTES + 64, _MM_HINT_T0);                                     \
-            if (STEP_BYTES > 128) _mm_prefetch((const char *)w + PREFETCH_BYTES + 128, _MM_HINT_T0);              \
-            if ((s & nb.every_mask) == 0 && nb.next < nb.end) {                                                  \
-                _mm_prefetch(nb.next, _MM_HINT_T1);                                                               \
-                nb.next += 64;                                                                                    \
-            }                                                                                                     \
-            if ((s & sp.every_mask) == 0 && sp.index < sp.count) side_prefetch_step(&sp);                         \
+            TILE_PREFETCH(w, s)                                                                                   \
             STEP_FMA(MR)                                                                                          \
         }                                                                                                         \
         if (side != NULL) *side = sp;                                                                             \
@@ -282,7 +290,10 @@ typedef __m256i gv_i32;
 
 /* float32: acc[i][j] += x[i][s] * W[block col GV_LANES j + lane][s] */
 #define STEP_F32(MR)                                                                                              \
-    const gv_f32 w0 = gv_load(w), w1 = gv_load(w + GV_LANES), w2 = gv_load(w + 2 * GV_LANES);              \
+    gv_f32 w0 = gv_load(w), w1 = gv_load(w + GV_LANES), w2 = gv_load(w + 2 * GV_LANES);                    \
+    gv_keep_in_register(w0);                                                                                      \
+    gv_keep_in_register(w1);                                                                                      \
+    gv_keep_in_register(w2);                                                                                      \
     _Pragma("GCC unroll 8") for (int i = 0; i < MR; ++i) {                                                       \
         const gv_f32 a = gv_set1(x[i * lda + s]);                                                               \
         acc[i][0] = gv_fma(a, w0, acc[i][0]);                                                                    \
@@ -309,9 +320,12 @@ FOR_EACH_TILE_ROWS(DEFINE_TILE_F32)
     }
 #else
 /* bfloat16 widened to float32 in registers (no vdpbf16ps): the even k of each pair (low halves, << 16), then the
- * odd k (high halves, masked), of the weights and of the row's broadcast x pair. */
+ * odd k (high halves, masked), of the weights and of the row's broadcast x pair. With 16 ymm registers this
+ * spills a few accumulators; the variants that did not (x widened to float32 on the stack per tile, the even and
+ * odd k apart) were no faster (86-90 against 90-94 GFLOP/s per core, Zen 5, avx2 build): the widening's shifts
+ * share the FMA pipes. */
 #define STEP_BF16(MR)                                                                                             \
-    const gv_i32 p0 = gv_load_i32(w), p1 = gv_load_i32(w + 2 * GV_LANES), p2 = gv_load_i32(w + 4 * GV_LANES); \
+    const gv_i32 p0 = gv_load_i32(w), p1 = gv_load_i32(w + 2 * GV_LANES), p2 = gv_load_i32(w + 4 * GV_LANES);  \
     const gv_f32 e0 = gv_shl16(p0), e1 = gv_shl16(p1), e2 = gv_shl16(p2);                                     \
     const gv_f32 o0 = gv_high16(p0), o1 = gv_high16(p1), o2 = gv_high16(p2);                                  \
     _Pragma("GCC unroll 8") for (int i = 0; i < MR; ++i) {                                                       \
