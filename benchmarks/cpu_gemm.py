@@ -1,72 +1,119 @@
-"""Folio's CPU GEMM against oneDNN's packed linear (the peer vLLM's CPU backend uses) at the default model's shapes.
+"""Folio's CPU GEMM, built for each ISA tier, against oneDNN's packed linear at the default model's shapes.
 
-    .venv/bin/python benchmarks/cpu_gemm.py                          # bfloat16
-    .venv/bin/python benchmarks/cpu_gemm.py --dtype float32 --rows 1,64
+    .venv/bin/python benchmarks/cpu_gemm.py                                   # every tier this CPU runs
+    .venv/bin/python benchmarks/cpu_gemm.py --tiers avx2 --dtypes float32 --rows 1,64
+    .venv/bin/python benchmarks/cpu_gemm.py --onednn-max-isa AVX2             # oneDNN limited to AVX2 too
 
-Each projection of SmolLM2-135M (q|k|v, o, gate|up, down, the tied LM head) at several row counts M (1-4: decode
-of a few requests, 64: W1's decode batch, 2048: a prefill chunk). Thirty copies of each layer weight are cycled
-through, as a decode step walks 30 layers, so the weights come from memory as they do in the engine. Prints
-GFLOP/s of both and the ratio; nothing is asserted.
+The projections of SmolLM2-135M (q|k|v, gate|up, down; o and the tied LM head with --shapes) at several row
+counts M (1-4: decode of a few requests, 64: W1's decode batch, 256-2048: prefill chunks). For M <= 64 thirty
+copies of each weight are cycled through, as a decode step walks 30 layers, so the weights come from memory as
+they do in the engine; larger M is compute-bound and cycles through two. Each tier's library is Folio's GEMM
+body for that tier (tested on every tier, whether or not the engine's plan chooses it there); oneDNN is measured
+in the same run, with whatever ISA it picks (``--onednn-max-isa`` caps it through ONEDNN_MAX_CPU_ISA, which
+oneDNN reads on its first use). Prints GFLOP/s of the fastest call; nothing is asserted.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import os
 import time
 from collections.abc import Callable
 
 import torch
 
-from folio.kernels.cpu_gemm import load_cpu_gemm
+from folio.kernels.cpu_build import load_kernel_library, native_tier
+from folio.kernels.cpu_gemm import CpuGemm
+from folio.kernels.isa import IsaTier, cpu_info
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
 
 
-def best_seconds(fn: Callable[[], None], repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
+def best_call_seconds(
+    runners: list[list[Callable[[], None]]], rounds: int, clock: Callable[[], float] = time.perf_counter
+) -> list[float]:
+    """Each implementation's fastest single call: ``rounds`` rounds, each calling every implementation on every
+    weight copy in turn (after one warm-up round). Calls are timed one by one and the fastest kept, so that on a
+    shared machine a call interrupted by another process does not count and every implementation gets the same
+    chances at a quiet moment; the weights still cycle through all copies, so they come from memory."""
+    best = [float("inf")] * len(runners)
+    for r in range(rounds + 1):
+        for i, calls in enumerate(runners):
+            for call in calls:
+                start = clock()
+                call()
+                if r > 0:
+                    best[i] = min(best[i], clock() - start)
     return best
+
+
+def folio_calls(gemm: CpuGemm, weights: list[torch.Tensor], x: torch.Tensor) -> list[Callable[[], None]]:
+    return [functools.partial(gemm.linear, x, p, None) for p in gemm.pack_all(weights)]
+
+
+def onednn_calls(weights: list[torch.Tensor], x: torch.Tensor) -> list[Callable[[], None]] | None:
+    try:
+        packed = [torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in weights]
+        torch.ops.mkldnn._linear_pointwise(x, packed[0], None, "none", [], "")
+    except RuntimeError:  # e.g. bfloat16 below AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT: oneDNN refuses
+        return None
+    return [functools.partial(torch.ops.mkldnn._linear_pointwise, x, p, None, "none", [], "") for p in packed]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated: float32, bfloat16")
+    parser.add_argument("--tiers", default="", help="comma-separated --cpu-isa tiers (default: avx2 up to this CPU's)")
     parser.add_argument("--rows", default="1,4,16,64,256,2048", help="comma-separated M values")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--shapes", default="qkv,gate_up,down", help=f"comma-separated, of {', '.join(SHAPES)}")
+    parser.add_argument("--onednn-max-isa", default="", help="sets ONEDNN_MAX_CPU_ISA (e.g. AVX2, AVX512_CORE)")
+    parser.add_argument("--no-onednn", action="store_true", help="Folio's GEMM only")
+    parser.add_argument("--threads", type=int, default=0, help="torch / OpenMP threads (default: torch's)")
+    parser.add_argument(
+        "--cpu-time", action="store_true", help="with --threads 1: time calls by the thread's CPU time, not the wall"
+    )
+    parser.add_argument("--rounds", type=int, default=7, help="timed calls of each implementation, best kept")
     ns = parser.parse_args()
-    dtype = getattr(torch, ns.dtype)
-    gemm = load_cpu_gemm()
-    if gemm is None:
-        raise SystemExit("no C compiler: the kernel is not built")
+    if ns.onednn_max_isa:
+        os.environ["ONEDNN_MAX_CPU_ISA"] = ns.onednn_max_isa  # before oneDNN's first primitive reads it
+    if ns.threads:
+        torch.set_num_threads(ns.threads)
+    if ns.cpu_time and torch.get_num_threads() != 1:
+        raise SystemExit("--cpu-time needs --threads 1: the calling thread must do all the work")
+    # One thread's CPU time leaves out the time other processes held its core: steady figures on a shared machine.
+    clock = time.thread_time if ns.cpu_time else time.perf_counter
+    native = native_tier()
+    names = ns.tiers.split(",") if ns.tiers else [t.flag_name for t in IsaTier if IsaTier.AVX2 <= t <= native]
+    gemms = {}
+    for name in names:
+        lib = load_kernel_library("cpu_kernels", IsaTier[name.upper()])
+        if lib is None:
+            raise SystemExit("no C compiler: the kernels are not built")
+        gemms[name] = CpuGemm(lib)
+    onednn_isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "its best")
+    threads = torch.get_num_threads()
+    timing = "CPU time" if ns.cpu_time else "wall time"
+    print(f"CPU {cpu_info()[0]} (best tier {native.flag_name}), {threads} threads, {timing}; oneDNN ISA: {onednn_isa}")
+    print("GFLOP/s per shape: " + " / ".join([*names, "onednn"]))
     torch.manual_seed(0)
-    print(f"{ns.dtype}, {torch.get_num_threads()} threads; GFLOP/s folio / oneDNN (ratio)")
-    for m in (int(v) for v in ns.rows.split(",")):
-        cells = []
-        for name, (n, k) in SHAPES.items():
-            copies = 1 if name == "lm_head" else 30
-            weights = [torch.randn(n, k).to(dtype) for _ in range(copies)]
-            ours = gemm.pack_all(weights)
-            onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in weights]
-            del weights
-            x = torch.randn(m, k).to(dtype)
-
-            def run_ours(x: torch.Tensor = x, packed: list = ours) -> None:  # type: ignore[type-arg]
-                for p in packed:
-                    gemm.linear(x, p, None)
-
-            def run_onednn(x: torch.Tensor = x, packed: list = onednn) -> None:  # type: ignore[type-arg]
-                for p in packed:
-                    torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
-
-            flops = 2 * m * n * k * copies
-            ours_gf = flops / best_seconds(run_ours, ns.repeats) / 1e9
-            onednn_gf = flops / best_seconds(run_onednn, ns.repeats) / 1e9
-            cells.append(f"{name} {ours_gf:5.0f}/{onednn_gf:5.0f} ({ours_gf / onednn_gf:.2f}x)")
-        print(f"M={m:5d}  " + "  ".join(cells), flush=True)
+    for dtype_name in ns.dtypes.split(","):
+        dtype = getattr(torch, dtype_name)
+        for m in (int(v) for v in ns.rows.split(",")):
+            cells = []
+            for shape in ns.shapes.split(","):
+                n, k = SHAPES[shape]
+                copies = 1 if shape == "lm_head" else (30 if m <= 64 else 2)
+                weights = [torch.randn(n, k).to(dtype) for _ in range(copies)]
+                x = torch.randn(m, k).to(dtype)
+                flops = 2 * m * n * k  # one call
+                runners = [folio_calls(gemm, weights, x) for gemm in gemms.values()]
+                onednn = None if ns.no_onednn else onednn_calls(weights, x)
+                seconds = best_call_seconds([*runners, *([onednn] if onednn is not None else [])], ns.rounds, clock)
+                figures = [f"{flops / t / 1e9:4.0f}" for t in seconds] + (["   -"] if onednn is None else [])
+                text = " / ".join(figures)
+                cells.append(f"{shape} {text}")
+            print(f"{dtype_name:8s} M={m:5d}  " + "   ".join(cells), flush=True)
 
 
 if __name__ == "__main__":

@@ -5,17 +5,21 @@
  * reaches 400-420 and 110-180 on the same machine, and 450 (the vdpbf16ps peak of 2 cores) at M = 2048
  * (docs/performance.md, benchmarks/cpu_gemm.py).
  *
- * Packed layout: W [N, K] is cut into column blocks of BLOCK_N = 48 output columns (3 AVX-512 vectors); block b
- * is stored contiguously, k-major, so the kernel streams it front to back:
- *   float32   packed[b][k][c]          = W[b * 48 + c][k]                  (48 floats per k)
- *   bfloat16  packed[b][k / 2][c][k % 2] = W[b * 48 + c][k]                (pairs of k side by side: the operand
+ * Packed layout: W [N, K] is cut into column blocks of BLOCK_N output columns (3 vectors: 48 with AVX-512, 24 with
+ * AVX2); block b is stored contiguously, k-major, so the kernel streams it front to back:
+ *   float32   packed[b][k][c]          = W[b * BLOCK_N + c][k]             (BLOCK_N floats per k)
+ *   bfloat16  packed[b][k / 2][c][k % 2] = W[b * BLOCK_N + c][k]           (pairs of k side by side: the operand
  *             layout of vdpbf16ps, which multiplies bf16 pairs and adds both products into a float32 lane)
  * Columns past N and the odd k of an odd K are zero.
  *
- * Micro-kernel: a tile of up to 8 rows x 48 columns keeps 24 float32 accumulators in registers; for each k (or
- * k pair) it loads the block's 3 weight vectors once and multiplies them with each row's broadcast x value
- * (8 x 3 FMAs per 3 loads). The weights of a block are read from memory once per 256 rows and reused from L1/L2
- * for every row tile; x rows come from L1.
+ * Micro-kernel: a tile of up to TILE_M rows x BLOCK_N columns keeps 3 TILE_M float32 accumulator vectors in
+ * registers; for each k (or k pair) it loads the block's 3 weight vectors once and multiplies them with each row's
+ * broadcast x value (TILE_M x 3 FMAs per 3 loads). The weights of a block are read from memory once per 256 rows
+ * and reused from L1/L2 for every row tile; x rows come from L1.
+ * bfloat16 without AVX512-BF16 widens in registers: a 32-bit lane of the pair layout holds the even k in its low
+ * half and the odd k in its high half, so (bits << 16) is the even k's float32 and (bits & 0xffff0000) the odd
+ * k's; the same for a broadcast pair of x. Two float32 FMAs then do what one vdpbf16ps does: exact products,
+ * float32 sums (in another order). The weights stay bfloat16 in memory, half the bytes of float32.
  *
  * Work split: items (chunk of up to 256 rows, block), chunk-major, spread statically over the threads: at a
  * decode step's M (one chunk) each thread streams its own share of the weights once; in a prefill each thread
@@ -23,8 +27,24 @@
  */
 #include "cpu_common.h"
 
+/* The layout and tile follow the vector width the library is built for (a packed weight is only ever read by the
+ * library that packed it, folio/kernels/cpu_gemm.py). Every tile keeps 3 vectors of columns per row:
+ *   AVX-512   48 columns (3 zmm) x  8 rows: 24 accumulators + 3 weights + 1 broadcast of 32 registers
+ *   AVX2+FMA  24 columns (3 ymm) x  4 rows: 12 accumulators + 3 weights + 1 broadcast of 16 registers
+ *   generic   48 columns, 8 rows of plain C (the layout is then only a loop order). */
+#if defined(__AVX512F__)
+#define GEMM_VEC_BITS 512
 #define BLOCK_N 48
 #define TILE_M 8
+#elif defined(__AVX2__) && defined(__FMA__)
+#define GEMM_VEC_BITS 256
+#define BLOCK_N 24
+#define TILE_M 4
+#else
+#define GEMM_VEC_BITS 0
+#define BLOCK_N 48
+#define TILE_M 8
+#endif
 #define CHUNK_M 256 /* rows per work item: a block's weights are re-read once per chunk */
 #define STEP_BYTES (BLOCK_N * 4) /* packed bytes per k (float32) or k pair (bfloat16) */
 #define PREFETCH_BYTES (16 * STEP_BYTES)
@@ -130,7 +150,7 @@ static inline void store_scalar(const Epilogue *e, int64_t row, int64_t col, flo
     }
 }
 
-#ifdef __AVX512F__
+#if GEMM_VEC_BITS == 512
 /* Stores 16 accumulated columns [col, col + 16) of one row, masked to the columns < n. */
 static inline void store16(const Epilogue *e, int64_t row, int64_t col, __m512 acc) {
     if (col >= e->n) return;
@@ -151,54 +171,138 @@ static inline void store16(const Epilogue *e, int64_t row, int64_t col, __m512 a
     }
 }
 
-/* One tile of MR rows x 48 columns over the whole K. The element type's step (one k for float32, a k pair for
+/* The vector operations the tiles use (gv_: GEMM vector), for one width (the AVX-512 tiles expand to the intrinsics they always had). */
+typedef __m512 gv_f32;
+typedef __m512i gv_i32;
+#define GV_LANES 16
+#define gv_zero() _mm512_setzero_ps()
+#define gv_load(p) _mm512_loadu_ps(p)
+#define gv_load_i32(p) _mm512_loadu_si512(p)
+#define gv_set1(v) _mm512_set1_ps(v)
+#define gv_set1_i32(v) _mm512_set1_epi32(v)
+#define gv_fma(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define gv_shl16(v) _mm512_castsi512_ps(_mm512_slli_epi32(v, 16))
+#define gv_high16(v) _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int32_t)0xffff0000u)))
+#define gv_store store16
+#define gv_keep_in_register(v) (void)(v)
+#elif GEMM_VEC_BITS == 256
+/* 8 float32 rounded to bfloat16 (nearest even, as f32_to_bf16 and torch; NaN stays NaN) */
+static inline __m128i gemm_f32x8_to_bf16(__m256 v) {
+    const __m256i bits = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    __m256i half = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+    const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(0x40));
+    half = _mm256_blendv_epi8(half, quiet, _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+    /* every lane is below 2^16, so the unsigned saturation of packus keeps it */
+    return _mm_packus_epi32(_mm256_castsi256_si128(half), _mm256_extracti128_si256(half, 1));
+}
+
+/* Stores 8 accumulated columns [col, col + 8) of one row, masked to the columns < n (AVX2 has masked 32-bit
+ * loads and stores only: a bfloat16 tail goes through a small buffer). The arg-max keeps 16 lanes per row as
+ * the AVX-512 epilogue does; col is a multiple of 8, so these columns are lanes col % 16 .. col % 16 + 7. */
+static inline void gemm_store8(const Epilogue *e, int64_t row, int64_t col, __m256 acc) {
+    if (col >= e->n) return;
+    const int64_t valid = e->n - col < 8 ? e->n - col : 8;
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32((int32_t)valid), lanes);
+    if (e->bias != NULL) acc = _mm256_add_ps(acc, _mm256_maskload_ps(e->bias + col, mask));
+    if (e->best_val != NULL) { /* columns ascend per lane, so a strict > keeps the first of equal values */
+        float *best = e->best_val + row * 16 + col % 16;
+        int32_t *best_col = e->best_col + row * 16 + col % 16;
+        const __m256 greater = _mm256_cmp_ps(acc, _mm256_loadu_ps(best), _CMP_GT_OQ); /* false for NaN */
+        const __m256i better = _mm256_and_si256(_mm256_castps_si256(greater), mask);
+        _mm256_maskstore_ps(best, better, acc);
+        _mm256_maskstore_epi32(best_col, better, _mm256_add_epi32(_mm256_set1_epi32((int32_t)col), lanes));
+    } else if (e->out_is_bf16) {
+        uint16_t *dst = (uint16_t *)e->out + row * e->ldc + col;
+        const __m128i half = gemm_f32x8_to_bf16(acc);
+        if (valid == 8) {
+            _mm_storeu_si128((__m128i *)dst, half);
+        } else {
+            uint16_t tail[8];
+            _mm_storeu_si128((__m128i *)tail, half);
+            memcpy(dst, tail, sizeof(uint16_t) * valid);
+        }
+    } else if (valid == 8) {
+        _mm256_storeu_ps((float *)e->out + row * e->ldc + col, acc);
+    } else {
+        _mm256_maskstore_ps((float *)e->out + row * e->ldc + col, mask, acc);
+    }
+}
+
+typedef __m256 gv_f32;
+typedef __m256i gv_i32;
+#define GV_LANES 8
+#define gv_zero() _mm256_setzero_ps()
+#define gv_load(p) _mm256_loadu_ps(p)
+#define gv_load_i32(p) _mm256_loadu_si256((const __m256i *)(p))
+#define gv_set1(v) _mm256_set1_ps(v)
+#define gv_set1_i32(v) _mm256_set1_epi32(v)
+#define gv_fma(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define gv_shl16(v) _mm256_castsi256_ps(_mm256_slli_epi32(v, 16))
+#define gv_high16(v) _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int32_t)0xffff0000u)))
+#define gv_store gemm_store8
+/* Holds a weight vector in a register: else gcc folds its load into each row's FMA (4 loads of it per k instead of
+ * one), and the tile ran at 87 GFLOP/s per core against 113-125 for oneDNN's AVX2 kernel (Zen 5, avx2 build). */
+#define gv_keep_in_register(v) __asm__("" : "+x"(v))
+#endif
+
+#if GEMM_VEC_BITS > 0
+/* Row counts a tile is compiled for (a compile-time MR keeps the accumulators in registers). */
+#if TILE_M == 8
+#define FOR_EACH_TILE_ROWS(F) F(8) F(7) F(6) F(5) F(4) F(3) F(2) F(1)
+#else
+#define FOR_EACH_TILE_ROWS(F) F(4) F(3) F(2) F(1)
+#endif
+
+/* A tile's prefetches at step s (weights at w): its own block ahead, the next block's share, the side lines. */
+#define TILE_PREFETCH(w, s)                                                                                       \
+    _mm_prefetch((const char *)w + PREFETCH_BYTES, _MM_HINT_T0);                                                  \
+    _mm_prefetch((const char *)w + PREFETCH_BYTES + 64, _MM_HINT_T0);                                             \
+    if (STEP_BYTES > 128) _mm_prefetch((const char *)w + PREFETCH_BYTES + 128, _MM_HINT_T0);                      \
+    if ((s & nb.every_mask) == 0 && nb.next < nb.end) {                                                          \
+        _mm_prefetch(nb.next, _MM_HINT_T1);                                                                       \
+        nb.next += 64;                                                                                            \
+    }                                                                                                             \
+    if ((s & sp.every_mask) == 0 && sp.index < sp.count) side_prefetch_step(&sp);
+
+/* One tile of MR rows x BLOCK_N columns over the whole K. The element type's step (one k for float32, a k pair for
  * bfloat16) is STEP_FMA; MR is a compile-time constant so the accumulators stay in registers. */
 #define DEFINE_TILE(SUFFIX, T, MR, K_STEPS, STEP_FMA)                                                             \
     static void tile_##SUFFIX##_##MR(const T *x, int64_t lda, const T *wb, int64_t k, const Epilogue *e,          \
                                      int64_t row0, int64_t col0, NextBlock nb, SidePrefetch *side) {             \
-        __m512 acc[MR][3];                                                                                        \
+        gv_f32 acc[MR][3];                                                                                       \
         SidePrefetch sp = side != NULL ? *side : (SidePrefetch){0};                                               \
         _Pragma("GCC unroll 8") for (int i = 0; i < MR; ++i) {                                                   \
-            acc[i][0] = acc[i][1] = acc[i][2] = _mm512_setzero_ps();                                              \
+            acc[i][0] = acc[i][1] = acc[i][2] = gv_zero();                                                       \
         }                                                                                                         \
         const int64_t steps = K_STEPS;                                                                            \
         for (int64_t s = 0; s < steps; ++s) {                                                                     \
             const T *w = (const T *)((const char *)wb + s * STEP_BYTES);                                          \
-            _mm_prefetch((const char *)w + PREFETCH_BYTES, _MM_HINT_T0);                                          \
-            _mm_prefetch((const char *)w + PREFETCH_BYTES + 64, _MM_HINT_T0);                                     \
-            _mm_prefetch((const char *)w + PREFETCH_BYTES + 128, _MM_HINT_T0);                                    \
-            if ((s & nb.every_mask) == 0 && nb.next < nb.end) {                                                  \
-                _mm_prefetch(nb.next, _MM_HINT_T1);                                                               \
-                nb.next += 64;                                                                                    \
-            }                                                                                                     \
-            if ((s & sp.every_mask) == 0 && sp.index < sp.count) side_prefetch_step(&sp);                         \
+            TILE_PREFETCH(w, s)                                                                                   \
             STEP_FMA(MR)                                                                                          \
         }                                                                                                         \
         if (side != NULL) *side = sp;                                                                             \
         _Pragma("GCC unroll 8") for (int i = 0; i < MR; ++i) {                                                   \
-            for (int j = 0; j < 3; ++j) store16(e, row0 + i, col0 + 16 * j, acc[i][j]);                           \
+            for (int j = 0; j < 3; ++j) gv_store(e, row0 + i, col0 + GV_LANES * j, acc[i][j]);                  \
         }                                                                                                         \
     }
 
-/* float32: acc[i][j] += x[i][s] * W[block col 16j..16j+15][s] */
+/* float32: acc[i][j] += x[i][s] * W[block col GV_LANES j + lane][s] */
 #define STEP_F32(MR)                                                                                              \
-    const __m512 w0 = _mm512_loadu_ps(w), w1 = _mm512_loadu_ps(w + 16), w2 = _mm512_loadu_ps(w + 32);            \
+    gv_f32 w0 = gv_load(w), w1 = gv_load(w + GV_LANES), w2 = gv_load(w + 2 * GV_LANES);                    \
+    gv_keep_in_register(w0);                                                                                      \
+    gv_keep_in_register(w1);                                                                                      \
+    gv_keep_in_register(w2);                                                                                      \
     _Pragma("GCC unroll 8") for (int i = 0; i < MR; ++i) {                                                       \
-        const __m512 a = _mm512_set1_ps(x[i * lda + s]);                                                          \
-        acc[i][0] = _mm512_fmadd_ps(a, w0, acc[i][0]);                                                            \
-        acc[i][1] = _mm512_fmadd_ps(a, w1, acc[i][1]);                                                            \
-        acc[i][2] = _mm512_fmadd_ps(a, w2, acc[i][2]);                                                            \
+        const gv_f32 a = gv_set1(x[i * lda + s]);                                                               \
+        acc[i][0] = gv_fma(a, w0, acc[i][0]);                                                                    \
+        acc[i][1] = gv_fma(a, w1, acc[i][1]);                                                                    \
+        acc[i][2] = gv_fma(a, w2, acc[i][2]);                                                                    \
     }
 
-#define DEFINE_TILES_F32(MR) DEFINE_TILE(f32, float, MR, k, STEP_F32)
-DEFINE_TILES_F32(1)
-DEFINE_TILES_F32(2)
-DEFINE_TILES_F32(3)
-DEFINE_TILES_F32(4)
-DEFINE_TILES_F32(5)
-DEFINE_TILES_F32(6)
-DEFINE_TILES_F32(7)
-DEFINE_TILES_F32(8)
+#define DEFINE_TILE_F32(MR) DEFINE_TILE(f32, float, MR, k, STEP_F32)
+FOR_EACH_TILE_ROWS(DEFINE_TILE_F32)
 
 #ifdef __AVX512BF16__
 /* bfloat16: acc[i][j] += x[i][2s] * W[..][2s] + x[i][2s+1] * W[..][2s+1] (vdpbf16ps: exact products, float32
@@ -214,29 +318,37 @@ DEFINE_TILES_F32(8)
         acc[i][1] = _mm512_dpbf16_ps(acc[i][1], a, w1);                                                           \
         acc[i][2] = _mm512_dpbf16_ps(acc[i][2], a, w2);                                                           \
     }
-
-#define DEFINE_TILES_BF16(MR) DEFINE_TILE(bf16, uint16_t, MR, (k + 1) / 2, STEP_BF16)
-DEFINE_TILES_BF16(1)
-DEFINE_TILES_BF16(2)
-DEFINE_TILES_BF16(3)
-DEFINE_TILES_BF16(4)
-DEFINE_TILES_BF16(5)
-DEFINE_TILES_BF16(6)
-DEFINE_TILES_BF16(7)
-DEFINE_TILES_BF16(8)
+#else
+/* bfloat16 widened to float32 in registers (no vdpbf16ps): the even k of each pair (low halves, << 16), then the
+ * odd k (high halves, masked), of the weights and of the row's broadcast x pair. With 16 ymm registers this
+ * spills a few accumulators; the variants that did not (x widened to float32 on the stack per tile, the even and
+ * odd k apart) were no faster (86-90 against 90-94 GFLOP/s per core, Zen 5, avx2 build): the widening's shifts
+ * share the FMA pipes. */
+#define STEP_BF16(MR)                                                                                             \
+    const gv_i32 p0 = gv_load_i32(w), p1 = gv_load_i32(w + 2 * GV_LANES), p2 = gv_load_i32(w + 4 * GV_LANES);  \
+    const gv_f32 e0 = gv_shl16(p0), e1 = gv_shl16(p1), e2 = gv_shl16(p2);                                     \
+    const gv_f32 o0 = gv_high16(p0), o1 = gv_high16(p1), o2 = gv_high16(p2);                                  \
+    _Pragma("GCC unroll 8") for (int i = 0; i < MR; ++i) {                                                       \
+        int32_t pair;                                                                                             \
+        memcpy(&pair, x + i * lda + 2 * s, sizeof pair);                                                          \
+        const gv_i32 a = gv_set1_i32(pair);                                                                     \
+        const gv_f32 a_even = gv_shl16(a), a_odd = gv_high16(a);                                               \
+        acc[i][0] = gv_fma(a_odd, o0, gv_fma(a_even, e0, acc[i][0]));                                           \
+        acc[i][1] = gv_fma(a_odd, o1, gv_fma(a_even, e1, acc[i][1]));                                           \
+        acc[i][2] = gv_fma(a_odd, o2, gv_fma(a_even, e2, acc[i][2]));                                           \
+    }
 #endif
-#endif /* __AVX512F__ */
+
+#define DEFINE_TILE_BF16(MR) DEFINE_TILE(bf16, uint16_t, MR, (k + 1) / 2, STEP_BF16)
+FOR_EACH_TILE_ROWS(DEFINE_TILE_BF16)
+#endif /* GEMM_VEC_BITS > 0 */
 
 #define ELEM_T float
 #define SUFFIX f32
 #define LOAD(v) (v)
 #define PACKED_K(k) (k)
 #define PACKED_AT(k, c) ((k) * BLOCK_N + (c))
-#if defined(__AVX512F__)
-#define HAS_TILES 1
-#else
-#define HAS_TILES 0
-#endif
+#define HAS_TILES (GEMM_VEC_BITS > 0)
 #include "cpu_gemm_impl.h"
 #undef ELEM_T
 #undef SUFFIX
@@ -250,11 +362,7 @@ DEFINE_TILES_BF16(8)
 #define LOAD(v) bf16_to_f32(v)
 #define PACKED_K(k) ((k) + ((k) & 1))
 #define PACKED_AT(k, c) ((((k) / 2) * BLOCK_N + (c)) * 2 + ((k) & 1))
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-#define HAS_TILES 1
-#else
-#define HAS_TILES 0
-#endif
+#define HAS_TILES (GEMM_VEC_BITS > 0)
 #include "cpu_gemm_impl.h"
 #undef ELEM_T
 #undef SUFFIX

@@ -2,10 +2,10 @@
  *   ELEM_T     the element type of x and the packed weight      SUFFIX  the name suffix (f32, bf16)
  *   LOAD       element -> float                                 PACKED_K(k)  packed length of K
  *   PACKED_AT  (k, c) -> offset of W[block col c][k] inside a packed block
- *   HAS_TILES  1 where the AVX-512 tiles tile_<SUFFIX>_<1..8> exist */
+ *   HAS_TILES  1 where the vector tiles tile_<SUFFIX>_<1..TILE_M> exist (AVX-512 or AVX2 + FMA) */
 
 #if !HAS_TILES
-/* A tile without AVX-512: the same maths in plain C (exact products, float32 sums in k order). */
+/* A tile without vectors (the generic tier): the same maths in plain C (exact products, float32 sums in k order). */
 static void CAT(tile_scalar_, SUFFIX)(const ELEM_T *x, int64_t lda, const ELEM_T *wb, int64_t k, int64_t rows,
                                       const Epilogue *e, int64_t row0, int64_t col0) {
     for (int64_t i = 0; i < rows; ++i)
@@ -20,17 +20,13 @@ static void CAT(tile_scalar_, SUFFIX)(const ELEM_T *x, int64_t lda, const ELEM_T
 static void CAT(tile_, SUFFIX)(const ELEM_T *x, int64_t lda, const ELEM_T *wb, int64_t k, int64_t rows,
                                const Epilogue *e, int64_t row0, int64_t col0, NextBlock nb, SidePrefetch *side) {
 #if HAS_TILES
+#define TILE_CASE(MR)                                                                                             \
+    case MR: CAT(CAT(CAT(tile_, SUFFIX), _), MR)(x, lda, wb, k, e, row0, col0, nb, side); return;
     switch (rows) {
-    case 8: CAT(CAT(tile_, SUFFIX), _8)(x, lda, wb, k, e, row0, col0, nb, side); return;
-    case 7: CAT(CAT(tile_, SUFFIX), _7)(x, lda, wb, k, e, row0, col0, nb, side); return;
-    case 6: CAT(CAT(tile_, SUFFIX), _6)(x, lda, wb, k, e, row0, col0, nb, side); return;
-    case 5: CAT(CAT(tile_, SUFFIX), _5)(x, lda, wb, k, e, row0, col0, nb, side); return;
-    case 4: CAT(CAT(tile_, SUFFIX), _4)(x, lda, wb, k, e, row0, col0, nb, side); return;
-    case 3: CAT(CAT(tile_, SUFFIX), _3)(x, lda, wb, k, e, row0, col0, nb, side); return;
-    case 2: CAT(CAT(tile_, SUFFIX), _2)(x, lda, wb, k, e, row0, col0, nb, side); return;
-    case 1: CAT(CAT(tile_, SUFFIX), _1)(x, lda, wb, k, e, row0, col0, nb, side); return;
+        FOR_EACH_TILE_ROWS(TILE_CASE)
     default: return;
     }
+#undef TILE_CASE
 #else
     (void)nb;
     (void)side;

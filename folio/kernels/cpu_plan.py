@@ -13,8 +13,12 @@ from folio.kernels.isa import IsaTier
 
 # The lowest tier at which Folio's kernel for an operation has a vectorised body.
 FOLIO_MIN_TIER: dict[str, IsaTier] = {
-    "gemm_f32": IsaTier.AVX512,
-    "gemm_bf16": IsaTier.AVX512_BF16,
+    # GEMM: at the engine's shapes the AVX2 tiles beat oneDNN limited to AVX2 in float32 up to M = 64 (1.1-1.7x;
+    # M = 64: 123-127 GFLOP/s per core against 109-115) and matched it at 256 and 2048; oneDNN refuses bfloat16
+    # below AVX-512, and on AVX-512 without BF16 the widening bfloat16 tiles ran at 1.4-4x oneDNN's (AVX512_CORE).
+    # benchmarks/cpu_gemm.py --threads 1 --cpu-time, AMD EPYC Zen 5.
+    "gemm_f32": IsaTier.AVX2,
+    "gemm_bf16": IsaTier.AVX2,
     "decode_attention": IsaTier.AVX512,
     "prefill_attention": IsaTier.AVX512,
     "elementwise": IsaTier.AVX2,
