@@ -25,6 +25,22 @@ FOLIO_MIN_TIER: dict[str, IsaTier] = {
 }
 
 
+# bfloat16 needs AVX-512: below it the widening bfloat16 GEMM ran slower than float32 from M = 16 up (about 89
+# against 120 GFLOP/s per core, AVX2 build on Zen 5: the shifts share the FMA pipes) and oneDNN refuses bfloat16,
+# so a bfloat16 engine there would be slower than the float32 default. Refused with a message instead.
+BFLOAT16_MIN_TIER = IsaTier.AVX512
+
+
+def check_cpu_dtype(dtype_name: str, tier: IsaTier) -> None:
+    """Raises ValueError, naming the dtype, the tier and the way out, where the CPU kernels would run ``dtype_name``
+    slower than float32 (bfloat16 below AVX-512)."""
+    if dtype_name == "bfloat16" and tier < BFLOAT16_MIN_TIER:
+        raise ValueError(
+            f"dtype bfloat16 on the CPU needs the {BFLOAT16_MIN_TIER.flag_name} ISA tier or above; this engine's tier "
+            f"is {tier.flag_name}, where bfloat16 would run slower than float32: use dtype float32 (the CPU default)"
+        )
+
+
 @dataclass(frozen=True)
 class CpuPlan:
     """The implementation of each operation for one dtype: "folio", "onednn", "torch"; "off" for the optional

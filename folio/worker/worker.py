@@ -13,6 +13,7 @@ from folio.attention.builder import assign_contiguous_blocks, build_attn_metadat
 from folio.config import EngineConfig
 from folio.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from folio.kernels.cpu_kernels import CPU_KERNEL_DTYPES, CpuKernels, load_cpu_kernels
+from folio.kernels.cpu_plan import check_cpu_dtype
 from folio.kernels.hugepages import empty_hugepage_backed
 from folio.model.llama import LlamaForCausalLM
 from folio.model.loader import ModelSpec, load_model
@@ -159,7 +160,9 @@ class Worker:
         """On the CPU, the kernels of the --cpu-isa tier for the model's dtype; logs the tier and the plan."""
         if self.device.type != "cpu" or self.dtype not in CPU_KERNEL_DTYPES:
             return None
-        kernels = load_cpu_kernels(self.config.cpu_config.tier(), self.dtype)
+        tier = self.config.cpu_config.tier()
+        check_cpu_dtype(str(self.dtype).removeprefix("torch."), tier)
+        kernels = load_cpu_kernels(tier, self.dtype)
         eager = " (fused decoder off: enforce_eager)" if self.config.model_config.enforce_eager else ""
         logger.info("%s%s", kernels.describe(), eager)
         return kernels

@@ -35,3 +35,8 @@ def test_each_tier_matches_transformers(
     print(cpu_tier.flag_name, "verdicts:", verdicts)
     assert verdicts.count("identical") >= len(verdicts) - 2, verdicts
     assert_no_leaks(llm)
+
+
+def test_bfloat16_below_avx512_is_refused_with_the_way_out() -> None:
+    with pytest.raises(ValueError, match="dtype bfloat16 on the CPU needs the avx512 ISA tier.*use dtype float32"):
+        LLM(dtype="bfloat16", cpu_isa="generic", kv_cache_memory_bytes=TEST_KV_BYTES)

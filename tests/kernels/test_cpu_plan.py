@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from folio.kernels.cpu_plan import FOLIO_MIN_TIER, choose_cpu_plan
+from folio.kernels.cpu_plan import FOLIO_MIN_TIER, check_cpu_dtype, choose_cpu_plan
 from folio.kernels.isa import IsaTier, compile_flags, detect_tier, resolve_cpu_isa
 
 ZEN3_FLAGS = frozenset(["sse4_2", "avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm"])
@@ -65,6 +65,15 @@ def test_folio_kernel_exactly_where_it_has_a_vectorised_body(tier: IsaTier, dtyp
     assert (plan.lm_head_argmax == "folio") == (plan.gemm == "folio")
     every_op_folio = {plan.gemm, plan.decode_attention, plan.prefill_attention, plan.elementwise} == {"folio"}
     assert (plan.fused_decoder == "folio") == every_op_folio
+
+
+def test_bfloat16_is_refused_below_avx512_with_the_way_out() -> None:
+    for tier in (IsaTier.GENERIC, IsaTier.AVX2):
+        with pytest.raises(ValueError, match=f"bfloat16 .* tier is {tier.flag_name}.*use dtype float32"):
+            check_cpu_dtype("bfloat16", tier)
+        check_cpu_dtype("float32", tier)
+    check_cpu_dtype("bfloat16", IsaTier.AVX512)
+    check_cpu_dtype("bfloat16", IsaTier.AVX512_BF16)
 
 
 def test_fallbacks() -> None:
