@@ -8,6 +8,8 @@ from typing import Any
 import pytest
 
 from folio import LLM, SamplingParams
+from folio.kernels.cpu_plan import BFLOAT16_MIN_TIER
+from tests.conftest import CPU_TIERS
 from tests.engine.conftest import TEST_KV_BYTES, assert_no_leaks, greedy_verdicts
 from tests.engine.greedy_compare import GreedyRun, compare_greedy, from_folio_output
 from tests.engine.prompts import all_prompt_token_ids
@@ -77,7 +79,12 @@ def test_batch_of_one_versus_sixteen(llm: LLM, prompts: list[list[int]], baselin
     assert_all_close(baseline, runs16[: len(prompts)])
 
 
-def test_bfloat16_on_cpu_agrees_with_float32(tokenizer: Any, hf_reference: list[GreedyRun]) -> None:
+@pytest.mark.parametrize(
+    "cpu_isa",
+    [pytest.param(t.flag_name, id=t.flag_name) for t in CPU_TIERS if t >= BFLOAT16_MIN_TIER]
+    or [pytest.param("none", marks=pytest.mark.skip(reason="bfloat16 needs an AVX-512 CPU (refused below it)"))],
+)
+def test_bfloat16_on_cpu_agrees_with_float32(tokenizer: Any, hf_reference: list[GreedyRun], cpu_isa: str) -> None:
     """bfloat16 on the CPU (oneDNN bf16 GEMMs, the paged kernel over a bf16 cache) against transformers in
     float32, the reference every engine is held to: on every one of the reference prompts, greedy tokens
     identical or, at the first divergence, each side's token in the other's top-5 (greedy_verdicts raises where
@@ -86,8 +93,9 @@ def test_bfloat16_on_cpu_agrees_with_float32(tokenizer: Any, hf_reference: list[
 
     bfloat16 rounding flips near-ties, and which ones depends on the CPU's kernels: 7 of the 11 were identical
     on an AMD EPYC with avx512_bf16 (diverged at steps 6, 12, 25 and 28). At least 5 are asked, so that a drift
-    the one-step rule would let through on every prompt still fails."""
-    bf16 = LLM(dtype="bfloat16", kv_cache_memory_bytes=TEST_KV_BYTES)
+    the one-step rule would let through on every prompt still fails. Run on each tier that takes bfloat16 (the
+    avx512 tier widens bfloat16 to float32 in registers, avx512_bf16 multiplies pairs with vdpbf16ps)."""
+    bf16 = LLM(dtype="bfloat16", cpu_isa=cpu_isa, kv_cache_memory_bytes=TEST_KV_BYTES)
     verdicts = greedy_verdicts(bf16, tokenizer, hf_reference)
     print("bfloat16 on CPU vs transformers float32:", verdicts)
     assert len(verdicts) == len(hf_reference) == 11
