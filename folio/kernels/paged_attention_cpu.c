@@ -16,8 +16,10 @@
  * Example: a decode at context 9 has row_ctx 9; the 3 rows of a chunk at positions 6, 7, 8 have 7, 8, 9.
  *
  * With AVX-512 and head_dim a multiple of 16 (64 and 128 in practice), the per-position work is unrolled for the
- * group size at compile time so the G x head_dim/16 accumulators stay in registers; other shapes take the plain
- * C loops, which the compiler vectorizes over head_dim.
+ * group size at compile time so the G x head_dim/16 accumulators stay in registers. An AVX2 build (x86-64-v3)
+ * has its own bodies for head_dim 64 and 128 and groups 1-8 (decode_attention_avx2.h, prefill_attention_avx2.h:
+ * 8-float vectors, work cut to fit 16 registers). Other shapes, and the generic build, take the plain C loops,
+ * which the compiler vectorizes over head_dim.
  */
 #include "cpu_common.h"
 
