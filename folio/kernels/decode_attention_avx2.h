@@ -34,16 +34,16 @@ static inline __attribute__((always_inline)) void CAT(prefetch_rows_avx2_, KV_SU
             _mm_prefetch(first + j * pos_stride * (int64_t)sizeof(KV_T) + byte, _MM_HINT_T0);
 }
 
-/* s[j] = the 8-lane partial sums of q . k_j for the chunk's rows j < 8 (rows j >= n repeat row n - 1: the caller
- * masks them out; with n == 8 at the call the clamp folds away). */
-static inline __attribute__((always_inline)) void CAT(chunk8_scores_, KV_SUFFIX)(const KV_T *kc, int64_t pos_stride,
-                                                                                 int64_t n, const int C,
+/* s[j] = the 8-lane partial sums of q . k[j] for the chunk's 8 rows (the caller points rows past the chunk's
+ * end at its last row and masks their scores out). One body for whole chunks and tails: the 8 row pointers live
+ * in general registers, and a second copy unrolled for whole chunks only doubled the code (and its compile
+ * time) for no measured gain. */
+static inline __attribute__((always_inline)) void CAT(chunk8_scores_, KV_SUFFIX)(const KV_T *const k[8], const int C,
                                                                                  const float *q, __m256 s[8]) {
     for (int j = 0; j < 8; ++j) s[j] = _mm256_setzero_ps();
     for (int c = 0; c < C; ++c) {
         const __m256 qc = _mm256_loadu_ps(q + 8 * c);
-        for (int j = 0; j < 8; ++j)
-            s[j] = _mm256_fmadd_ps(qc, CAT(kv_load8_, KV_SUFFIX)(kc + (j < n ? j : n - 1) * pos_stride + 8 * c), s[j]);
+        for (int j = 0; j < 8; ++j) s[j] = _mm256_fmadd_ps(qc, CAT(kv_load8_, KV_SUFFIX)(k[j] + 8 * c), s[j]);
     }
 }
 
@@ -70,14 +70,12 @@ static inline __attribute__((always_inline)) void CAT(decode_scores_avx2_, KV_SU
             for (int64_t j0 = 0; j0 < n_block; j0 += 8) {
                 const int64_t n = n_block - j0 < 8 ? n_block - j0 : 8;
                 const __m256 valid = attn_lanes_below(n);
-                const KV_T *kc = kb + j0 * pos_stride;
+                const KV_T *k[8];
+                for (int64_t j = 0; j < 8; ++j) k[j] = kb + (j0 + (j < n ? j : n - 1)) * pos_stride;
                 for (int g = 0; g < G; ++g) {
                     const int64_t r = (kh - kh0) * G + g;
                     __m256 s[8];
-                    if (n == 8)
-                        CAT(chunk8_scores_, KV_SUFFIX)(kc, pos_stride, 8, C, q + (kh * G + g) * D, s);
-                    else
-                        CAT(chunk8_scores_, KV_SUFFIX)(kc, pos_stride, n, C, q + (kh * G + g) * D, s);
+                    CAT(chunk8_scores_, KV_SUFFIX)(k, C, q + (kh * G + g) * D, s);
                     const __m256 sc = _mm256_blendv_ps(lowest, _mm256_mul_ps(attn_reduce8(s), scale), valid);
                     row_max[r] = _mm256_max_ps(row_max[r], sc);
                     /* masked: with a block size that is not a multiple of 8, a whole vector would run into the

@@ -20,6 +20,7 @@ from folio.attention.backends.torch_ref import TorchReferenceBackend
 from folio.attention.backends.triton_paged import TritonPagedBackend, triton_available
 from folio.attention.builder import build_attn_metadata
 from folio.attention.selector import get_attention_backend
+from folio.kernels.cpu_kernels import load_cpu_kernels
 from folio.kernels.isa import IsaTier
 
 # The device-agnostic backends run on the GPU where there is one.
@@ -169,6 +170,12 @@ def test_selector_picks_the_kernel_for_cpu_float32() -> None:
     assert isinstance(get_attention_backend(torch.device("cpu"), torch.float32), CpuPagedBackend)
     assert isinstance(get_attention_backend(torch.device("cpu"), torch.bfloat16), CpuPagedBackend)
     assert isinstance(get_attention_backend(torch.device("cpu"), torch.float16), TorchBatchedBackend)
+
+
+def test_selector_picks_the_kernel_from_the_avx2_tier(cpu_tier: IsaTier) -> None:
+    # the C kernel has vectorised bodies from AVX2 up; the generic build's plain loops lose to torch's prefill
+    backend = get_attention_backend(torch.device("cpu"), torch.float32, load_cpu_kernels(cpu_tier, torch.float32))
+    assert isinstance(backend, CpuPagedBackend if cpu_tier >= IsaTier.AVX2 else TorchBatchedBackend)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
