@@ -15,8 +15,8 @@ from folio.kernels.isa import IsaTier
 FOLIO_MIN_TIER: dict[str, IsaTier] = {
     "gemm_f32": IsaTier.AVX512,
     "gemm_bf16": IsaTier.AVX512_BF16,
-    # AVX2 bodies since avx2-attention: 64 decode rows x 30 layers and 16 W1 prompts, float32, avx2 build on Zen 5:
-    # 1.9x / 1.8x faster than TorchBatchedBackend (benchmarks/attention_kernels.py)
+    # vectorised from AVX2: at W1's shapes (float32, avx2 build, AMD EPYC Zen 5, benchmarks/attention_kernels.py)
+    # decode 2.5x and prefill 1.8x faster than TorchBatchedBackend; the generic build's prefill is 0.5x
     "decode_attention": IsaTier.AVX2,
     "prefill_attention": IsaTier.AVX2,
     "elementwise": IsaTier.AVX512,
