@@ -300,8 +300,8 @@ DEFINE_DECODE_AVX512(4, 8)
 #include "decode_attention_avx2.h"
 #endif
 
-/* KV heads [kh0, kh1) of one row: the AVX-512 path where the shape has one, else the plain loops head by head.
- * q, out: the row's [H, D] float32; q_bf16: the row's raw bf16 query or NULL; acc: scratch [G, D]. */
+/* KV heads [kh0, kh1) of one row: the AVX-512 (or AVX2) path where the shape has one, else the plain loops head
+ * by head. q, out: the row's [H, D] float32; q_bf16: the row's raw bf16 query or NULL; acc: scratch [G, D]. */
 static void CAT(attend_, KV_SUFFIX)(const ITEM *it, int64_t head_stride, int64_t kh0, int64_t kh1, const float *q,
                                     const uint16_t *q_bf16, float *out, float *scores, float *acc) {
     (void)q_bf16;

@@ -24,7 +24,8 @@ static inline __attribute__((always_inline)) void CAT(pack_block8_, KV_SUFFIX)(c
         float *kc = kp + c0 * D, *vc = vp + c0 * D;
         for (int h = 0; h < C; ++h) { /* 8 dims of the 8 rows at a time */
             __m256 r[8];
-            for (int64_t j = 0; j < 8; ++j) r[j] = j < m ? CAT(kv_load8_, KV_SUFFIX)(krow[j] + 8 * h) : _mm256_setzero_ps();
+            for (int64_t j = 0; j < 8; ++j)
+                r[j] = j < m ? CAT(kv_load8_, KV_SUFFIX)(krow[j] + 8 * h) : _mm256_setzero_ps();
             attn_transpose8(r);
             for (int i = 0; i < 8; ++i) _mm256_storeu_ps(kc + (8 * h + i) * 8, r[i]);
         }
@@ -111,7 +112,8 @@ static inline __attribute__((always_inline)) void CAT(prefill_tile8_blocks_, KV_
         const int64_t n = max_ctx - b0 < DP_BLOCK ? max_ctx - b0 : DP_BLOCK, n8 = (n + 7) / 8 * 8;
         CAT(pack_block8_, KV_SUFFIX)(it, b0, n, C, kp, vp);
         const int64_t chunks = n8 / 8, whole = chunks / 2 * 2;
-        for (int64_t ch = 0; ch < whole; ch += 2) CAT(block8_scores_all_, KV_SUFFIX)(q, pairs, kp, ch, 2, C, scale_v, scores);
+        for (int64_t ch = 0; ch < whole; ch += 2)
+            CAT(block8_scores_all_, KV_SUFFIX)(q, pairs, kp, ch, 2, C, scale_v, scores);
         if (chunks > whole) CAT(block8_scores_all_, KV_SUFFIX)(q, pairs, kp, whole, 1, C, scale_v, scores);
         for (int64_t p = 0; p < pairs; ++p) {
             const int64_t visible = ctx_of_row[p / G] - b0;
@@ -121,7 +123,8 @@ static inline __attribute__((always_inline)) void CAT(prefill_tile8_blocks_, KV_
         int64_t p0 = 0;
         for (; p0 + 6 <= pairs; p0 += 6)
             CAT(block8_weighted_v_, KV_SUFFIX)(probs, p0, 6, vp, n8, C, scratch->rescale, out_tile);
-        for (; p0 < pairs; ++p0) CAT(block8_weighted_v_, KV_SUFFIX)(probs, p0, 1, vp, n8, C, scratch->rescale, out_tile);
+        for (; p0 < pairs; ++p0)
+            CAT(block8_weighted_v_, KV_SUFFIX)(probs, p0, 1, vp, n8, C, scratch->rescale, out_tile);
     }
     for (int64_t i = 0; i < pairs; ++i) {
         const __m256 inv = _mm256_set1_ps(1.0f / state[2 * i + 1]);
