@@ -1,14 +1,18 @@
-"""Micro-benchmark of the CPU attention kernels at W1's shapes (SmolLM2: 9 query / 3 KV heads of 64).
+"""Micro-benchmark of the CPU attention at W1's shapes (SmolLM2: 9 query / 3 KV heads of 64): the C kernel built
+for each ISA tier, and the torch backend (TorchBatchedBackend), in one run.
 
-    .venv/bin/python benchmarks/attention_kernels.py                    # bfloat16
-    .venv/bin/python benchmarks/attention_kernels.py --dtype float32
+    .venv/bin/python benchmarks/attention_kernels.py                          # float32, every tier this CPU has
+    .venv/bin/python benchmarks/attention_kernels.py --dtype bfloat16 --tiers avx2 avx512_bf16
+    .venv/bin/python benchmarks/attention_kernels.py --threads 1 --clock cpu   # on a machine shared with others
 
-Decode: 64 rows at contexts 110-290 over 30 layers' caches (about 260 MB in bf16, so K/V come from DRAM as in a
-real step), the kernel on a position-major cache ([NB, BS, KV, D]) and on the head-major one the engine allocates,
-with each request's blocks consecutive, and scattered over the cache (as a long-running server's free list
-hands them out).
-Prefill: 16 fresh prompts of 20-200 tokens through one layer, the C prefill kernel against torch's SDPA (what
-CpuPagedBackend used before). Prints each figure and the ratio; nothing is asserted.
+Every tier up to this CPU's own runs here (an AVX-512 machine measures the AVX2 and generic builds too); each
+build is the library the engine would load for that tier (folio/kernels/cpu_build.py).
+Decode: 64 rows at contexts 110-290 over 30 layers' caches (about 590 MB in float32, so K/V come from DRAM as in
+a real step), each backend on the cache layout the engine allocates for it (head-major for the kernel), each
+request's blocks consecutive, and scattered over the cache (as a long-running server's free list hands them
+out). Prefill: 16 fresh prompts of 20-200 tokens through one layer.
+The implementations take turns within each repeat (so the machine's drift hits them alike) and each figure is
+the best of the repeats; nothing is asserted.
 """
 
 from __future__ import annotations
@@ -20,21 +24,23 @@ from collections.abc import Callable
 
 import torch
 
+from folio.attention.backends.base import AttentionBackend
 from folio.attention.backends.cpu_paged import CpuPagedBackend, load_paged_attention_kernel
-from folio.attention.backends.torch_batched import prefill_attention
+from folio.attention.backends.torch_batched import TorchBatchedBackend
 from folio.attention.builder import build_attn_metadata
-from folio.attention.metadata import AttnMetadata
+from folio.kernels.cpu_build import native_tier
+from folio.kernels.isa import IsaTier, cpu_info
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_LAYERS = 9, 3, 64, 16, 30
 
 
-def best_of(fn: Callable[[], None], repeats: int) -> float:
+def best_of(fn: Callable[[], None], repeats: int, clock: Callable[[], float] = time.perf_counter) -> float:
     fn()
     best = float("inf")
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = clock()
         fn()
-        best = min(best, time.perf_counter() - start)
+        best = min(best, clock() - start)
     return best
 
 
@@ -59,80 +65,95 @@ def fused_qkv(num_tokens: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.
     )
 
 
-def bench_decode(backend: CpuPagedBackend, dtype: torch.dtype, repeats: int) -> None:
-    rng = random.Random(0)
-    seq_lens = [rng.randint(110, 290) for _ in range(64)]
-    tables = contiguous_tables(seq_lens)
-    num_blocks = sum(len(t) for t in tables) + 1
-    shuffled = list(range(num_blocks))
-    rng.shuffle(shuffled)  # a long-running server's free list hands out blocks in no order
-    scattered = build_attn_metadata([1] * 64, seq_lens, [[shuffled[b] for b in t] for t in tables], BLOCK_SIZE)
-    attn = build_attn_metadata([1] * 64, seq_lens, tables, BLOCK_SIZE)
-    q, k, v = fused_qkv(64, dtype)
-    times = {}
-    for layout in ("position-major", "head-major", "head-major (blocks scattered)"):
-        step_attn = scattered if "scattered" in layout else attn
-        if layout == "position-major":
-            shape = (2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
-            caches = [torch.randn(shape).to(dtype) for _ in range(NUM_LAYERS)]
-        else:
-            shape = (2, num_blocks, NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM)
-            caches = [torch.randn(shape).to(dtype).transpose(2, 3) for _ in range(NUM_LAYERS)]
-
-        def step(caches: list[torch.Tensor] = caches, step_attn: AttnMetadata = step_attn) -> None:
-            for cache in caches:
-                backend.forward(q, k, v, cache, step_attn, HEAD_DIM**-0.5)
-
-        times[layout] = best_of(step, repeats)
-        kv_bytes = sum(seq_lens) * NUM_KV_HEADS * HEAD_DIM * 2 * caches[0].element_size() * NUM_LAYERS
-        print(
-            f"decode, 64 rows x {NUM_LAYERS} layers, {layout} cache: {times[layout] * 1e3:.1f} ms per step "
-            f"({kv_bytes / times[layout] / 1e9:.1f} GB/s of K/V)"
-        )
-    print(f"  head-major / position-major: {times['head-major'] / times['position-major']:.2f}x the time")
+def layer_caches(num_blocks: int, dtype: torch.dtype, head_major: bool, num_layers: int) -> list[torch.Tensor]:
+    """Random K/V caches [2, NB, BS, KV, D], in head-major storage where the backend wants it."""
+    if head_major:
+        shape = (2, num_blocks, NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM)
+        return [torch.randn(shape).to(dtype).transpose(2, 3) for _ in range(num_layers)]
+    return [torch.randn(2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM).to(dtype) for _ in range(num_layers)]
 
 
-def bench_prefill(backend: CpuPagedBackend, dtype: torch.dtype, repeats: int) -> None:
-    rng = random.Random(0)
-    seq_lens = [rng.randint(20, 200) for _ in range(16)]
-    tables = contiguous_tables(seq_lens)
-    cache = torch.zeros(2, sum(len(t) for t in tables) + 1, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM).to(dtype)
-    attn = build_attn_metadata(seq_lens, seq_lens, tables, BLOCK_SIZE)
-    num_tokens = sum(seq_lens)
-    q, k, v = fused_qkv(num_tokens, dtype)
-    scale = HEAD_DIM**-0.5
+class Workload:
+    """One implementation's decode step (over every layer's cache) and prefill (one layer), as callables."""
 
-    def kernel() -> None:
-        backend.forward(q, k, v, cache, attn, scale)
+    def __init__(self, backend: AttentionBackend, dtype: torch.dtype) -> None:
+        head_major = getattr(backend, "kv_cache_head_major", False)
+        rng = random.Random(0)
+        seq_lens = [rng.randint(110, 290) for _ in range(64)]
+        tables = contiguous_tables(seq_lens)
+        num_blocks = sum(len(t) for t in tables) + 1
+        shuffled = list(range(num_blocks))
+        rng.shuffle(shuffled)  # a long-running server's free list hands out blocks in no order
+        self.decode_attn = build_attn_metadata([1] * 64, seq_lens, tables, BLOCK_SIZE)
+        scattered = [[shuffled[b] for b in t] for t in tables]
+        self.scattered_attn = build_attn_metadata([1] * 64, seq_lens, scattered, BLOCK_SIZE)
+        self.decode_qkv = fused_qkv(64, dtype)
+        self.caches = layer_caches(num_blocks, dtype, head_major, NUM_LAYERS)
+        prompt_lens = [rng.randint(20, 200) for _ in range(16)]
+        prompt_tables = contiguous_tables(prompt_lens)
+        self.prefill_attn = build_attn_metadata(prompt_lens, prompt_lens, prompt_tables, BLOCK_SIZE)
+        self.prefill_qkv = fused_qkv(sum(prompt_lens), dtype)
+        self.prefill_cache = layer_caches(sum(len(t) for t in prompt_tables) + 1, dtype, head_major, 1)[0]
+        self.backend = backend
 
-    def sdpa() -> None:
-        out = torch.empty(num_tokens, NUM_HEADS, HEAD_DIM, dtype=dtype)
-        start = 0
-        for seq_len in seq_lens:
-            end = start + seq_len
-            out[start:end] = prefill_attention(q[start:end], k[start:end], v[start:end], scale)
-            start = end
+    def decode(self, scattered: bool) -> None:
+        attn = self.scattered_attn if scattered else self.decode_attn
+        for cache in self.caches:
+            self.backend.forward(*self.decode_qkv, cache, attn, HEAD_DIM**-0.5)
 
-    kernel_s, sdpa_s = best_of(kernel, repeats), best_of(sdpa, repeats)
-    print(
-        f"prefill, 16 prompts ({num_tokens} tokens), one layer: "
-        f"C kernel {kernel_s * 1e3:.2f} ms, SDPA {sdpa_s * 1e3:.2f} ms"
-    )
-    print(f"  kernel / SDPA: {kernel_s / sdpa_s:.2f}x the time")
+    def prefill(self) -> None:
+        self.backend.forward(*self.prefill_qkv, self.prefill_cache, self.prefill_attn, HEAD_DIM**-0.5)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    tiers = [tier.flag_name for tier in IsaTier if tier <= native_tier()]
+    parser.add_argument("--tiers", nargs="+", default=tiers, choices=tiers, help="kernel builds (default: all)")
+    parser.add_argument("--no-torch", action="store_true", help="leave out the torch backend")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=None, help="torch / OpenMP threads (default: torch's)")
+    parser.add_argument(
+        "--clock", default="wall", choices=["wall", "cpu"], help="cpu: the process's CPU time (with --threads 1, "
+        "what the work costs on a machine other processes keep busy)"
+    )  # fmt: skip
     ns = parser.parse_args()
-    kernels = load_paged_attention_kernel()
-    if kernels is None:
-        raise SystemExit("no C compiler: the CPU kernels are not built")
-    backend = CpuPagedBackend(kernels)
+    if ns.threads is not None:  # 1 on a machine shared with other busy processes: OpenMP's joins wait for a
+        torch.set_num_threads(ns.threads)  # descheduled thread (docs/performance.md)
     dtype = getattr(torch, ns.dtype)
-    bench_decode(backend, dtype, ns.repeats)
-    bench_prefill(backend, dtype, ns.repeats)
+    clock = time.process_time if ns.clock == "cpu" else time.perf_counter
+    backends: dict[str, AttentionBackend] = {}
+    for name in ns.tiers:
+        kernels = load_paged_attention_kernel(IsaTier[name.upper()])
+        if kernels is None:
+            raise SystemExit("no C compiler: the CPU kernels are not built")
+        backends[f"C kernel, {name}"] = CpuPagedBackend(kernels)
+    if not ns.no_torch:
+        backends["torch (TorchBatchedBackend)"] = TorchBatchedBackend()
+    workloads = {name: Workload(backend, dtype) for name, backend in backends.items()}
+    figures: dict[str, dict[str, float]] = {name: {} for name in workloads}
+    runs: dict[str, Callable[[Workload], None]] = {
+        "decode": lambda w: w.decode(False),
+        "decode, blocks scattered": lambda w: w.decode(True),
+        "prefill": Workload.prefill,
+    }
+    for _ in range(ns.repeats):  # the implementations take turns
+        for name, work in workloads.items():
+            for run, fn in runs.items():
+                seconds = best_of(lambda fn=fn, work=work: fn(work), 1, clock)
+                figures[name][run] = min(figures[name].get(run, float("inf")), seconds)
+    model, _ = cpu_info()
+    print(f"CPU: {model}, {torch.get_num_threads()} threads, {ns.dtype}, {ns.clock} time, best of {ns.repeats}")
+    print("decode: 64 rows x 30 layers, ms per step; prefill: 16 prompts (20-200 tokens), one layer, ms")
+    cells = " | ".join(f"{run:>24}" for run in runs)
+    header = f"| {'implementation':<28} | {cells} | vs torch: decode, prefill |"
+    print(header)
+    print("|" + "|".join("-" * len(cell) for cell in header.split("|")[1:-1]) + "|")
+    base = figures.get("torch (TorchBatchedBackend)")
+    for name, cells in figures.items():
+        ratio = f"{base['decode'] / cells['decode']:.2f}x, {base['prefill'] / cells['prefill']:.2f}x" if base else "-"
+        row = " | ".join(f"{cells[run] * 1e3:>24.2f}" for run in runs)
+        print(f"| {name:<28} | {row} | {ratio:>25} |")
 
 
 if __name__ == "__main__":

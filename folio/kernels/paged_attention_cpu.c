@@ -16,10 +16,20 @@
  * Example: a decode at context 9 has row_ctx 9; the 3 rows of a chunk at positions 6, 7, 8 have 7, 8, 9.
  *
  * With AVX-512 and head_dim a multiple of 16 (64 and 128 in practice), the per-position work is unrolled for the
- * group size at compile time so the G x head_dim/16 accumulators stay in registers; other shapes take the plain
- * C loops, which the compiler vectorizes over head_dim.
+ * group size at compile time so the G x head_dim/16 accumulators stay in registers. An AVX2 build (x86-64-v3)
+ * has its own bodies for head_dim 64 and 128 and groups 1-8 (decode_attention_avx2.h, prefill_attention_avx2.h:
+ * 8-float vectors, work cut to fit 16 registers). Other shapes, and the generic build, take the plain C loops,
+ * which the compiler vectorizes over head_dim.
  */
 #include "cpu_common.h"
+
+/* The AVX2 + FMA bodies (x86-64-v3 builds: 8-float vectors, 16 registers): decode_attention_avx2.h and
+ * prefill_attention_avx2.h. An AVX-512 build never compiles them (its own bodies are tuned for 16 lanes). */
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#define PAGED_ATTN_AVX2 1
+#else
+#define PAGED_ATTN_AVX2 0
+#endif
 
 /* query rows per prefill work item (see folio_prefill_attention_*) */
 #define PREFILL_TILE 16
@@ -133,6 +143,11 @@ static float *attn_arena(int64_t per_thread, int num_threads) {
     return aligned_alloc(64, sizeof(float) * (size_t)(per_thread * num_threads));
 }
 
+#if PAGED_ATTN_AVX2
+#include "attention_avx2_helpers.h"
+#endif
+
+
 /* dst[0..n) = src[offset..offset+n) as float32, src float32 or (is_bf16) bfloat16 */
 static void load_as_f32(const void *src, int is_bf16, int64_t offset, int64_t n, float *dst) {
     if (is_bf16) {
@@ -140,6 +155,8 @@ static void load_as_f32(const void *src, int is_bf16, int64_t offset, int64_t n,
         int64_t j = 0;
 #ifdef __AVX512F__
         for (; j + 16 <= n; j += 16) _mm512_storeu_ps(dst + j, load16_bf16(s + j));
+#elif PAGED_ATTN_AVX2
+        for (; j + 8 <= n; j += 8) _mm256_storeu_ps(dst + j, attn_load8_bf16(s + j));
 #endif
         for (; j < n; ++j) dst[j] = bf16_to_f32(s[j]);
     } else {
@@ -153,6 +170,8 @@ static void store_from_f32(void *dst, int is_bf16, int64_t offset, int64_t n, co
         int64_t j = 0;
 #ifdef __AVX512F__
         for (; j + 16 <= n; j += 16) store16_bf16(d + j, _mm512_loadu_ps(src + j)); /* finite values */
+#elif PAGED_ATTN_AVX2
+        for (; j + 8 <= n; j += 8) _mm_storeu_si128((__m128i *)(d + j), attn_f32x8_to_bf16(_mm256_loadu_ps(src + j)));
 #endif
         for (; j < n; ++j) d[j] = f32_to_bf16(src[j]);
     } else {

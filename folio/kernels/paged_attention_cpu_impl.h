@@ -296,8 +296,12 @@ DEFINE_DECODE_AVX512(4, 8)
 #undef DEFINE_DECODE_AVX512
 #endif
 
-/* KV heads [kh0, kh1) of one row: the AVX-512 path where the shape has one, else the plain loops head by head.
- * q, out: the row's [H, D] float32; q_bf16: the row's raw bf16 query or NULL; acc: scratch [G, D]. */
+#if PAGED_ATTN_AVX2
+#include "decode_attention_avx2.h"
+#endif
+
+/* KV heads [kh0, kh1) of one row: the AVX-512 (or AVX2) path where the shape has one, else the plain loops head
+ * by head. q, out: the row's [H, D] float32; q_bf16: the row's raw bf16 query or NULL; acc: scratch [G, D]. */
 static void CAT(attend_, KV_SUFFIX)(const ITEM *it, int64_t head_stride, int64_t kh0, int64_t kh1, const float *q,
                                     const uint16_t *q_bf16, float *out, float *scores, float *acc) {
     (void)q_bf16;
@@ -311,6 +315,18 @@ static void CAT(attend_, KV_SUFFIX)(const ITEM *it, int64_t head_stride, int64_t
         return;                                                                                              \
     }
     CASE(1, 4) CASE(2, 4) CASE(3, 4) CASE(4, 4) CASE(5, 4) CASE(6, 4) CASE(1, 8) CASE(2, 8) CASE(3, 8) CASE(4, 8)
+#undef CASE
+#elif PAGED_ATTN_AVX2
+#define CASE(G, C)                                                                                           \
+    if (it->group == G && it->head_dim == 8 * C) {                                                           \
+        for (int64_t k0 = kh0; k0 < kh1; k0 += DECODE_MAX_HEADS / G) {                                       \
+            const int64_t k1 = k0 + DECODE_MAX_HEADS / G < kh1 ? k0 + DECODE_MAX_HEADS / G : kh1;             \
+            CAT(decode_avx2_g##G##_c##C##_, KV_SUFFIX)(it, head_stride, k0, k1, q, out, scores);             \
+        }                                                                                                    \
+        return;                                                                                              \
+    }
+    CASE(1, 8) CASE(2, 8) CASE(3, 8) CASE(4, 8) CASE(5, 8) CASE(6, 8) CASE(7, 8) CASE(8, 8)
+    CASE(1, 16) CASE(2, 16) CASE(3, 16) CASE(4, 16) CASE(5, 16) CASE(6, 16) CASE(7, 16) CASE(8, 16)
 #undef CASE
 #endif
     const int64_t item_size = it->group * it->head_dim;
@@ -470,10 +486,12 @@ static void PREFILL_ITEM_FN(
 
 #ifdef __AVX512F__
 #include "prefill_attention_blocks.h"
+#elif PAGED_ATTN_AVX2
+#include "prefill_attention_avx2.h"
 #endif
 
-/* One prefill tile with float32 maths (any cache type, any head_dim): q rows converted, then the AVX-512 block
- * tile for head_dim 64 / 128 or the plain loops (which want q pre-scaled). */
+/* One prefill tile with float32 maths (any cache type, any head_dim): q rows converted, then the AVX-512 (or
+ * AVX2) block tile for head_dim 64 / 128 or the plain loops (which want q pre-scaled). */
 static void CAT(prefill_tile_f32_math_, KV_SUFFIX)(const PagedArgs *a, const ITEM *it, int64_t first_row,
                                                    int64_t q_offset, const int32_t *ctx_of_row, int64_t rows,
                                                    const AttnScratch *scratch) {
@@ -484,6 +502,12 @@ static void CAT(prefill_tile_f32_math_, KV_SUFFIX)(const PagedArgs *a, const ITE
 #ifdef __AVX512F__
     if (it->head_dim == 64 || it->head_dim == 128) {
         (it->head_dim == 64 ? CAT(prefill_tile_c4_dp0_, KV_SUFFIX) : CAT(prefill_tile_c8_dp0_, KV_SUFFIX))(
+            it, a->scale, ctx_of_row, rows, scratch);
+        return;
+    }
+#elif PAGED_ATTN_AVX2
+    if (it->head_dim == 64 || it->head_dim == 128) {
+        (it->head_dim == 64 ? CAT(prefill_tile8_c8_, KV_SUFFIX) : CAT(prefill_tile8_c16_, KV_SUFFIX))(
             it, a->scale, ctx_of_row, rows, scratch);
         return;
     }

@@ -1,11 +1,14 @@
 """The fast backends (TorchBatchedBackend, the CPU C kernel, the Triton kernel) against the reference oracle on
 random paged batches. The Triton kernel runs on CUDA where there is a GPU, else on CPU tensors through Triton's
-interpreter (skipped where triton is not installed)."""
+interpreter (skipped where triton is not installed). The CPU kernel runs at this CPU's best tier here, and on
+every tier it can run (generic, avx2, avx512, avx512_bf16: the cpu_tier fixture) in test_kernel_on_every_tier."""
 
 from __future__ import annotations
 
+import functools
 import os
 import random
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -17,6 +20,8 @@ from folio.attention.backends.torch_ref import TorchReferenceBackend
 from folio.attention.backends.triton_paged import TritonPagedBackend, triton_available
 from folio.attention.builder import build_attn_metadata
 from folio.attention.selector import get_attention_backend
+from folio.kernels.cpu_kernels import load_cpu_kernels
+from folio.kernels.isa import IsaTier
 
 # The device-agnostic backends run on the GPU where there is one.
 ACCEL_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -167,6 +172,12 @@ def test_selector_picks_the_kernel_for_cpu_float32() -> None:
     assert isinstance(get_attention_backend(torch.device("cpu"), torch.float16), TorchBatchedBackend)
 
 
+def test_selector_picks_the_kernel_from_the_avx2_tier(cpu_tier: IsaTier) -> None:
+    # the C kernel has vectorised bodies from AVX2 up; the generic build's plain loops lose to torch's prefill
+    backend = get_attention_backend(torch.device("cpu"), torch.float32, load_cpu_kernels(cpu_tier, torch.float32))
+    assert isinstance(backend, CpuPagedBackend if cpu_tier >= IsaTier.AVX2 else TorchBatchedBackend)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_selector_picks_triton_on_cuda() -> None:
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
@@ -180,6 +191,20 @@ def test_kernel_backend_rejects_other_dtypes() -> None:
     kv = torch.zeros(1, 2, 8, dtype=torch.float16)
     with pytest.raises(ValueError, match="float16"):
         backend.forward(q, kv, kv, torch.zeros(2, 1, 4, 2, 8, dtype=torch.float16), attn, 1.0)
+
+
+def test_kernel_backend_writes_a_head_major_cache_in_place() -> None:
+    """Without the fused K/V write (a plan whose element-wise ops are torch's, as on the avx2 tier), the step's K/V
+    still go into the head-major cache in place: a copy of the cache per layer and step made 12 greedy requests
+    on the avx2 tier take 65 s instead of 1 s."""
+    cache = torch.zeros(2, 512, 3, 16, 64).transpose(2, 3)  # 6 MiB per half, head-major as the worker allocates
+    attn = build_attn_metadata([1, 1], [5, 40], [[3], [7, 9, 11]], 16)
+    query, kv = torch.randn(2, 9, 64), torch.randn(2, 3, 64)
+    backend = _make_backend("cpu_paged")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        backend.forward(query, kv, kv, cache, attn, 0.125)
+    assert max(event.cpu_memory_usage for event in prof.events()) < cache[0].numel()  # bytes: under a quarter
+    torch.testing.assert_close(cache[1, 11, 7], kv[1], rtol=0, atol=0)  # position 39: block 11, offset 7
 
 
 @pytest.mark.parametrize("kernel", ["cpu_paged", "triton_paged"])
@@ -227,3 +252,120 @@ def test_kernel_with_bfloat16_cache(kernel: str, seed: int) -> None:
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float().cpu(), expected, rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(fast_cache.float().cpu(), ref_cache, rtol=0, atol=0)
+
+
+# ---- The C kernel on every ISA tier this CPU can run ----------------------------------------------------------
+# Each case runs once per tier (test ids: test_kernel_on_every_tier[avx2-gqa3_f32_d64], ...) against the oracle,
+# which runs once per case. The shapes reach every body: the vectorised decode and prefill bodies of each tier
+# (head_dim 64 and 128, GQA groups 1-8), the plain loops (head_dim 40 and 16), context tails that are not
+# multiples of the block size, of 8 (AVX2 chunks) or of 16 (AVX-512 chunks), contexts past the prefill tile's
+# 128-position blocks, single-position contexts and zero-length queries.
+
+
+@dataclass(frozen=True)
+class KernelCase:
+    query_lens: tuple[int, ...]
+    seq_lens: tuple[int, ...]
+    block_size: int
+    heads: tuple[int, int]  # (query heads, KV heads)
+    head_dim: int
+    bf16: bool = False  # bfloat16 queries and cache (the oracle runs in float32 on the same rounded values)
+    head_major: bool = False  # the cache layout the worker allocates for the kernel
+    fused_qkv: bool = False  # q/k/v as strided views of one buffer, as the model passes them
+    query_gain: float = 1.0  # 100: scores of hundreds, so the softmax saturates (one weight near 1, most 0)
+
+
+# decodes at contexts 1, 9, 37, 130; a fresh 13-token prefill; a zero-length query; a 19-token chunk after 22
+# cached positions (a chunk starting mid-block)
+_MIXED = {"query_lens": (1, 1, 1, 13, 0, 1, 19), "seq_lens": (1, 9, 37, 13, 5, 130, 41)}
+
+
+def _kernel_cases() -> dict[str, KernelCase]:
+    cases: dict[str, KernelCase] = {}
+    for group in range(1, 9):  # every GQA group size the decode bodies unroll, both dtypes and head dims
+        for bf16 in (False, True):
+            head_dim = 64 if (group + bf16) % 2 else 128
+            name = f"gqa{group}_{'bf16' if bf16 else 'f32'}_d{head_dim}"
+            cases[name] = KernelCase(**_MIXED, block_size=16, heads=(2 * group, 2), head_dim=head_dim, bf16=bf16,
+                                     head_major=group % 2 == 0, fused_qkv=group % 3 == 0)  # fmt: skip
+    for bf16 in (False, True):
+        kind = "bf16" if bf16 else "f32"
+        # block size 5: every chunk of 8 or 16 positions spans blocks, the blocks' ends are tails
+        cases[f"block5_tails_{kind}"] = KernelCase(
+            (1, 1, 1, 1, 1, 1, 7, 3), (2, 7, 8, 9, 16, 17, 33, 63), 5, (9, 3), 64, bf16=bf16, head_major=True
+        )
+        # head_dim 40 and 16: the plain loops on every tier
+        cases[f"head_dim40_{kind}"] = KernelCase(**_MIXED, block_size=16, heads=(6, 2), head_dim=40, bf16=bf16)
+        cases[f"head_dim16_{kind}"] = KernelCase(**_MIXED, block_size=4, heads=(8, 1), head_dim=16, bf16=bf16)
+        # several 16-row tiles and 128-position context blocks per prompt, chunks after cached tokens
+        cases[f"long_prefills_{kind}"] = KernelCase(
+            (150, 40, 17, 1), (150, 140, 33, 90), 16, (9, 3), 64, bf16=bf16, head_major=True, fused_qkv=True
+        )
+        cases[f"saturated_softmax_{kind}"] = KernelCase(**_MIXED, block_size=16, heads=(9, 3), head_dim=64,
+                                                        bf16=bf16, query_gain=100.0)  # fmt: skip
+    cases["single_positions"] = KernelCase((1, 1, 0, 1), (1, 1, 1, 2), 16, (9, 3), 64)
+    return cases
+
+
+KERNEL_CASES = _kernel_cases()
+
+
+@dataclass(frozen=True)
+class _Expected:
+    """One case's inputs (float32, or bf16-rounded) and the oracle's output and cache."""
+
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    kv_cache: torch.Tensor  # before the step's K/V are written
+    tables: list[list[int]]
+    out: torch.Tensor
+    cache_after: torch.Tensor
+
+
+@functools.cache
+def _oracle(case: KernelCase) -> _Expected:
+    num_heads, num_kv_heads = case.heads
+    gen = torch.Generator().manual_seed(len(case.seq_lens) * 1000 + case.head_dim + num_heads)
+    dtype = torch.bfloat16 if case.bf16 else torch.float32
+    num_blocks = sum(-(-s // case.block_size) for s in case.seq_lens) + 2
+    pool = list(range(num_blocks))
+    random.Random(num_heads).shuffle(pool)  # non-contiguous block tables
+    tables = []
+    for s in case.seq_lens:
+        n = -(-s // case.block_size)
+        tables.append(pool[:n])
+        pool = pool[n:]
+    shape = (num_blocks, case.block_size, num_kv_heads, case.head_dim)
+    kv_cache = torch.randn(2, *shape, generator=gen).to(dtype)
+    num_tokens = sum(case.query_lens)
+    query = (torch.randn(num_tokens, num_heads, case.head_dim, generator=gen) * case.query_gain).to(dtype)
+    key, value = (torch.randn(num_tokens, num_kv_heads, case.head_dim, generator=gen).to(dtype) for _ in range(2))
+    attn = build_attn_metadata(list(case.query_lens), list(case.seq_lens), tables, case.block_size)
+    cache_after = kv_cache.float()
+    args = (query.float(), key.float(), value.float(), cache_after, attn, case.head_dim**-0.5)
+    out = TorchReferenceBackend().forward(*args)
+    return _Expected(query, key, value, kv_cache, tables, out, cache_after)
+
+
+@pytest.mark.parametrize("case", list(KERNEL_CASES.values()), ids=list(KERNEL_CASES))
+def test_kernel_on_every_tier(cpu_tier: IsaTier, case: KernelCase) -> None:
+    kernel = load_paged_attention_kernel(cpu_tier)
+    assert kernel is not None, "the CPU kernel must build here (gcc is part of this machine and of CI)"
+    expected = _oracle(case)
+    query, key, value = expected.query, expected.key, expected.value
+    if case.fused_qkv:
+        query, key, value = _as_fused_views(query, key, value)
+    cache = expected.kv_cache.clone()
+    if case.head_major:  # the same values in head-major storage
+        num_blocks, block_size, num_kv_heads, head_dim = cache.shape[1:]
+        cache = torch.empty(2, num_blocks, num_kv_heads, block_size, head_dim, dtype=cache.dtype).transpose(2, 3)
+        cache.copy_(expected.kv_cache)
+    attn = build_attn_metadata(list(case.query_lens), list(case.seq_lens), expected.tables, case.block_size)
+    out = CpuPagedBackend(kernel).forward(query, key, value, cache, attn, case.head_dim**-0.5)
+    assert out.dtype == query.dtype
+    # bf16: the output's final rounding, and on avx512_bf16 the softmax weights rounded to bf16 before they
+    # multiply V; a saturated softmax: float32 rounding of scores in the hundreds moves the weights of near-ties
+    tolerance = 1e-2 if case.bf16 else 1e-3 if case.query_gain > 1 else 1e-5
+    torch.testing.assert_close(out.float(), expected.out, rtol=tolerance, atol=tolerance)
+    torch.testing.assert_close(cache.float(), expected.cache_after, rtol=0, atol=0)
