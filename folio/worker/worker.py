@@ -233,11 +233,8 @@ class Worker:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         if self._threads is not None and (threads := self._threads.threads_for_step()) != torch.get_num_threads():
-            logger.info(
-                "CPU kernels on %d of %d threads (run-queue wait: other processes take cores)",
-                threads,
-                self._threads.max_threads,
-            )
+            why = "other processes take cores" if threads < self._threads.max_threads else "probing the full count"
+            logger.info("CPU kernels on %d of %d threads (%s)", threads, self._threads.max_threads, why)
             torch.set_num_threads(threads)
         return self.model_runner.execute_model(scheduler_output)
 
