@@ -116,6 +116,7 @@ class Worker:
             self._capture_decode_graphs(num_blocks * config.cache_config.block_size)
         adaptive = self.device.type == "cpu" and config.cpu_config.adaptive_threads
         self._threads = CpuThreadGovernor(torch.get_num_threads()) if adaptive else None
+        self._threads_logged: int | None = None
 
     def _wants_decode_graphs(self) -> bool:
         """CUDA, not enforce_eager, a real model whose attention backend can be captured (TritonPagedBackend)."""
@@ -233,8 +234,12 @@ class Worker:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         if self._threads is not None and (threads := self._threads.threads_for_step()) != torch.get_num_threads():
-            why = "other processes take cores" if threads < self._threads.max_threads else "probing the full count"
-            logger.info("CPU kernels on %d of %d threads (%s)", threads, self._threads.max_threads, why)
+            # a probe every few seconds under a lasting neighbour: only the first drop is worth a line at INFO
+            first = threads < self._threads.max_threads and self._threads_logged != threads
+            (logger.info if first else logger.debug)(
+                "CPU kernels on %d of %d threads", threads, self._threads.max_threads
+            )
+            self._threads_logged = threads if first else self._threads_logged
             torch.set_num_threads(threads)
         return self.model_runner.execute_model(scheduler_output)
 
