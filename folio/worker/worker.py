@@ -237,7 +237,7 @@ class Worker:
             # a probe every few seconds under a lasting neighbour: only the first drop is worth a line at INFO
             first = threads < self._threads.max_threads and self._threads_logged != threads
             (logger.info if first else logger.debug)(
-                "CPU kernels on %d of %d threads (other processes take cores when fewer)", threads, self._threads.max_threads
+                "CPU kernels on %d of %d threads (fewer: others take cores)", threads, self._threads.max_threads
             )
             self._threads_logged = threads if first else self._threads_logged
             torch.set_num_threads(threads)
