@@ -11,7 +11,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -122,11 +122,20 @@ async def _metrics(aclient: httpx.AsyncClient, server: ServerProcess) -> dict[st
 
 
 async def _wait_for_metric(
-    aclient: httpx.AsyncClient, server: ServerProcess, name: str, done: Callable[[float], bool]
+    aclient: httpx.AsyncClient,
+    server: ServerProcess,
+    name: str,
+    done: Callable[[float], bool],
+    tasks: Sequence[asyncio.Task[None]] = (),
 ) -> None:
-    """Polls /metrics until ``done(value of name)``; the timeout only guards against a hang."""
+    """Polls /metrics until ``done(value of name)``; raises at once what a task in ``tasks`` (requests that must
+    still be in flight) raised. The timeout only guards against a hang."""
     deadline = time.monotonic() + HANG_GUARD_S
     while not done(value := metric(await _metrics(aclient, server), name)):
+        for task in tasks:
+            if task.done():
+                task.result()
+                raise AssertionError(f"a request ended while waiting for {name}")
         assert time.monotonic() < deadline, f"{name} stuck at {value}"
         await asyncio.sleep(0.05)
 
@@ -157,11 +166,12 @@ def test_priority_reorders_a_full_batch(keyed_server: ServerProcess) -> None:
         stops = [asyncio.Event(), asyncio.Event()]
         async with httpx.AsyncClient(timeout=HANG_GUARD_S) as aclient:
             holders = [asyncio.create_task(_hold_stream(aclient, server, stop)) for stop in stops]
-            await _wait_for_metric(aclient, server, "folio:num_requests_running", lambda n: n == 2)
+            await _wait_for_metric(aclient, server, "folio:num_requests_running", lambda n: n == 2, holders)
             low = asyncio.create_task(short(aclient, "low", 10))
-            await _wait_for_metric(aclient, server, "folio:num_requests_waiting", lambda n: n == 1)
+            await _wait_for_metric(aclient, server, "folio:num_requests_waiting", lambda n: n == 1, [*holders, low])
             high = asyncio.create_task(short(aclient, "high", -10))
-            await _wait_for_metric(aclient, server, "folio:num_requests_waiting", lambda n: n == 2)
+            in_flight = [*holders, low, high]
+            await _wait_for_metric(aclient, server, "folio:num_requests_waiting", lambda n: n == 2, in_flight)
             stops[0].set()  # one slot frees: the scheduler picks the next waiting request by priority
             await asyncio.wait_for(asyncio.gather(low, high), HANG_GUARD_S)
             stops[1].set()
@@ -182,7 +192,7 @@ def test_queue_limit_503(keyed_server: ServerProcess) -> None:
         stops = [asyncio.Event(), asyncio.Event()]
         async with httpx.AsyncClient(timeout=HANG_GUARD_S) as aclient:
             holders = [asyncio.create_task(_hold_stream(aclient, server, stop)) for stop in stops]
-            await _wait_for_metric(aclient, server, "folio:num_requests_running", lambda n: n == 2)
+            await _wait_for_metric(aclient, server, "folio:num_requests_running", lambda n: n == 2, holders)
             # The first two are admitted (the core reported at most 1 waiting); a third may already get 503.
             url = server.url("/v1/completions")
             waiting = [asyncio.create_task(aclient.post(url, json=body, headers=headers)) for _ in range(3)]
