@@ -150,8 +150,8 @@ def test_duplicate_request_id_is_refused(engine: AsyncLLM) -> None:
         first = engine.generate(LONG_PROMPT, LONG, "dup")
         await first.__anext__()
         with pytest.raises(ValueError, match="request_id 'dup' is already in use"):
-            await engine.generate("Hello", GREEDY, "dup").__anext__()
-        assert not (await first.__anext__()).finished
+            await asyncio.wait_for(engine.generate("Hello", GREEDY, "dup").__anext__(), HANG_GUARD_S)
+        assert not (await asyncio.wait_for(first.__anext__(), HANG_GUARD_S)).finished
         # Blocks this loop until the core has sent another step's outputs (the running 'dup' among them): they
         # stay unread in the pipe while 'dup' is closed and used again.
         assert engine.core.outputs_conn.poll(HANG_GUARD_S)
