@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import fields
 
 from folio.config import MODEL_IMPLS, SCHEDULING_POLICIES, SUPPORTED_DTYPES, EngineArgs
@@ -162,13 +162,19 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         if ns.model is not None and ns.model != ns.model_positional:
             raise ValueError(f"the model is given twice: {ns.model_positional!r} and --model {ns.model!r}")
         ns.model = ns.model_positional
-    if ns.api_key is None:
-        ns.api_key = os.environ.get("FOLIO_API_KEY") or None
+    ns.api_key = resolve_api_key(ns.api_key, os.environ)
     if ns.max_num_queued_reqs is not None and ns.max_num_queued_reqs < 0:
         raise ValueError(f"max_num_queued_reqs must be >= 0, got {ns.max_num_queued_reqs}")
     if not 0 <= ns.port <= 65535:
         raise ValueError(f"port must be in [0, 65535], got {ns.port}")
     return run_server(ns, engine_args_from(ns))
+
+
+def resolve_api_key(flag: str | None, environ: Mapping[str, str]) -> str | None:
+    """--api-key wins over FOLIO_API_KEY (as vLLM's flag wins over VLLM_API_KEY); an empty key means none."""
+    if flag is not None:
+        return flag or None
+    return environ.get("FOLIO_API_KEY") or None
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -187,7 +193,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--api-key",
         default=None,
-        help="require 'Authorization: Bearer KEY' on every route except /health, /metrics and /version "
+        help="require 'Authorization: Bearer KEY' on every route except /health, /ping, /metrics and /version "
         "(default: the FOLIO_API_KEY environment variable; unset: no key needed)",
     )
     g.add_argument(

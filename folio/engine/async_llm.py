@@ -8,6 +8,7 @@ and ``wait_for_dead`` returns, so the server can exit for its orchestrator to re
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from collections.abc import AsyncGenerator
@@ -58,6 +59,7 @@ class AsyncLLM:
         self.last_scheduler_stats = SchedulerStats(0, 0, 0.0, 0, 0, 0)
         self.errored = False
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException | None]] = {}
+        self._core_request_counter = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._dead: asyncio.Event | None = None
 
@@ -77,10 +79,13 @@ class AsyncLLM:
         if request_id in self._queues:
             raise ValueError(f"request_id {request_id!r} is already in use")
         processed = self.input_processor.tokenize_prompt(prompt)
-        requests = self.input_processor.make_requests(request_id, processed, sampling_params, priority=priority)
+        core_request_id = self._new_core_request_id(request_id)
+        requests = self.input_processor.make_requests(core_request_id, processed, sampling_params, priority=priority)
         queue: asyncio.Queue[RequestOutput | BaseException | None] = asyncio.Queue()
         self._queues[request_id] = queue
-        self.output_processor.add_request(request_id, processed, sampling_params, RequestOutputKind.DELTA)
+        self.output_processor.add_request(
+            request_id, processed, sampling_params, RequestOutputKind.DELTA, core_request_id=core_request_id
+        )
         self.stats_collector.add_request(request_id, requests[0].arrival_time, len(processed.prompt_token_ids))
         self.core.add_requests(requests)
         finished = False
@@ -97,6 +102,13 @@ class AsyncLLM:
             self._queues.pop(request_id, None)
             if not finished:
                 self._abort_now(request_id)
+
+    def _new_core_request_id(self, request_id: str) -> str:
+        """The id the core gets: the caller's plus a number never used before. A request id may be used again as
+        soon as its stream ended, while outputs the core sent for the earlier request are still in the pipe (an
+        abort reaches the core a step late); under the new core id those are dropped instead of being taken for
+        the new request's (vLLM makes its internal request ids unique the same way)."""
+        return f"{request_id}-{next(self._core_request_counter)}"
 
     async def abort(self, request_id: str) -> None:
         self._abort_now(request_id)

@@ -126,6 +126,7 @@ class EngineCoreClient:
         try:
             message = self.outputs_conn.recv()
         except EOFError:
+            self.process.join(5)  # its exit code is known once it is reaped
             raise RuntimeError(f"the engine core exited during start-up (exit code {self.process.exitcode})") from None
         if isinstance(message, CoreFailed):
             self.process.join(5)

@@ -68,11 +68,18 @@ class OutputProcessor:
         self.child_to_parent: dict[str, str] = {}
 
     def add_request(
-        self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams, output_kind: RequestOutputKind
+        self,
+        request_id: str,
+        prompt: ProcessedPrompt,
+        params: SamplingParams,
+        output_kind: RequestOutputKind,
+        core_request_id: str | None = None,
     ) -> None:
+        """Outputs carry ``request_id``; the core knows the request as ``core_request_id`` (default: the same),
+        whose child ids are the keys outputs from the core are matched on."""
         samples = {}
         for index in range(params.n):
-            child_id = child_request_id(request_id, index, params.n)
+            child_id = child_request_id(core_request_id or request_id, index, params.n)
             detok = make_detokenizer(
                 self.tokenizer,
                 prompt.prompt_token_ids,

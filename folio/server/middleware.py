@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 # Open without a key, as in vLLM: health checkers and Prometheus scrapers hold no secret.
 UNAUTHENTICATED_PATHS = frozenset({"/health", "/metrics", "/version", "/ping"})
 # Still answered while draining: the orchestrator and the scraper watch the drain.
-DRAIN_EXEMPT_PATHS = frozenset({"/health", "/metrics", "/version"})
+DRAIN_EXEMPT_PATHS = frozenset({"/health", "/ping", "/metrics", "/version"})
 
 
 class GateMiddleware:

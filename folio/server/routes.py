@@ -55,15 +55,13 @@ def register_routes(
     @app.get("/health")
     async def health() -> Response:
         """200 while the engine core is alive; 503 once it died or while the server drains."""
-        if state.engine_dead or getattr(ctx.engine, "errored", False):
-            return APIError(503, "The engine core is dead.", code="engine_dead").to_response()
-        if state.draining:
-            return APIError(503, "The server is draining.", code="draining").to_response()
-        try:
-            await ctx.engine.check_health()
-        except Exception as e:
-            return APIError(503, f"The engine core is unhealthy: {e}", code="engine_dead").to_response()
-        return Response(status_code=200)
+        return await _health_response(ctx, state)
+
+    @app.get("/ping")
+    @app.post("/ping")
+    async def ping() -> Response:
+        """/health under the name SageMaker-style load balancers probe (GET or POST), as vLLM serves it."""
+        return await _health_response(ctx, state)
 
     @app.get("/version")
     async def version() -> JSONResponse:
@@ -97,3 +95,16 @@ def register_routes(
             if not 0 <= token_id < vocab_size:
                 raise bad_request(f"tokens contains {token_id}, outside the vocabulary [0, {vocab_size})", "tokens")
         return DetokenizeResponse(prompt=str(ctx.tokenizer.decode(body.tokens)))
+
+
+async def _health_response(ctx: ServingContext, state: ServerState) -> Response:
+    """200 while the engine core is alive; 503 once it died or while the server drains (/health and /ping)."""
+    if state.engine_dead or getattr(ctx.engine, "errored", False):
+        return APIError(503, "The engine core is dead.", code="engine_dead").to_response()
+    if state.draining:
+        return APIError(503, "The server is draining.", code="draining").to_response()
+    try:
+        await ctx.engine.check_health()
+    except Exception as e:
+        return APIError(503, f"The engine core is unhealthy: {e}", code="engine_dead").to_response()
+    return Response(status_code=200)

@@ -52,3 +52,20 @@ def test_engine_rejects_bad_requests_and_keeps_nothing(llm: LLM) -> None:
 def test_unknown_engine_argument() -> None:
     with pytest.raises(TypeError, match="max_num_seq"):
         LLM(max_num_seq=3)
+
+
+def test_engine_refuses_a_duplicate_request_id(llm: LLM) -> None:
+    """A second add_request under a live id is a ValueError naming it and changes nothing: the first request runs
+    to its end as if alone, and the id is free again afterwards."""
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    alone = llm.generate(["Hello"], params, use_tqdm=False)[0].outputs[0].token_ids
+    for _ in range(2):
+        engine.add_request("dup", "Hello", params)
+        with pytest.raises(ValueError, match="request_id 'dup' is already in use"):
+            engine.add_request("dup", "Goodbye", params)
+        finished = []
+        while engine.has_unfinished_requests():
+            finished += [out for out in engine.step() if out.finished]
+        assert [(out.request_id, out.prompt, out.outputs[0].token_ids) for out in finished] == [("dup", "Hello", alone)]
+        assert_no_leaks(llm)

@@ -184,30 +184,118 @@ def test_seed_reproducible(client: Any) -> None:
     assert len({sample(seed) for seed in (1, 2, 3)}) > 1
 
 
-def test_vllm_extra_sampling_fields_accepted(client: Any) -> None:
-    extra = {
-        "top_k": 5,
-        "min_p": 0.05,
-        "repetition_penalty": 1.1,
-        "min_tokens": 3,
-        "ignore_eos": True,
-        "stop_token_ids": [2],
-        "skip_special_tokens": True,
-        "include_stop_str_in_output": False,
-        "priority": 0,
-    }
-    completion = client.completions.create(
-        model=MODEL_NAME,
-        prompt="Hello",
-        max_tokens=4,
-        seed=1,
-        user="someone",
-        presence_penalty=0.5,
-        frequency_penalty=0.5,
-        logit_bias={"2": -100},
-        extra_body=extra,
-    )
-    assert completion.usage.completion_tokens == 4
+def complete(server: ServerProcess, prompt: str, **fields: Any) -> dict[str, Any]:
+    """One greedy /v1/completions call (8 tokens unless given) with extra body fields; the first choice plus usage."""
+    body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, **fields}
+    response = httpx.post(server.url("/v1/completions"), json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    data = response.json()
+    return {**data["choices"][0], "num_tokens": data["usage"]["completion_tokens"]}
+
+
+def chat_hi(server: ServerProcess, **fields: Any) -> dict[str, Any]:
+    """Greedy chat "Hi": the model answers in 10 tokens and ends with EOS (a short answer to hold EOS back on)."""
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 16, "temperature": 0, **fields}
+    response = httpx.post(server.url("/v1/chat/completions"), json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    data = response.json()
+    choice = data["choices"][0]
+    return {"text": choice["message"]["content"], "finish_reason": choice["finish_reason"], **data["usage"]}
+
+
+def one_token(server: ServerProcess, text: str) -> int:
+    (token_id,) = tokenize(server, prompt=text)
+    return token_id
+
+
+# vLLM's extra fields, each shown to change what comes out (the baseline is the same request without it).
+# `priority` needs a full batch under the priority policy: tests/server/test_lifecycle.py (its own small server).
+# `seed` has tests/server/test_completions.py::test_seed_reproducible.
+
+
+def test_logit_bias_forces_a_token(server: ServerProcess) -> None:
+    banana = one_token(server, " banana")
+    assert complete(server, "Hello")["text"] != " banana" * 8
+    assert complete(server, "Hello", logit_bias={str(banana): 100})["text"] == " banana" * 8
+
+
+def test_allowed_token_ids_restrict_the_vocabulary(server: ServerProcess) -> None:
+    allowed = [one_token(server, ","), one_token(server, "-")]
+    assert set(complete(server, "Hello")["text"]) - {",", "-"}
+    restricted = complete(server, "Hello", allowed_token_ids=allowed, temperature=1.0, seed=3)
+    assert restricted["num_tokens"] == 8 and set(restricted["text"]) <= {",", "-"}, restricted["text"]
+
+
+def test_bad_words_are_never_generated(server: ServerProcess) -> None:
+    assert "-by" in complete(server, "Hello")["text"]
+    assert "-by" not in complete(server, "Hello", bad_words=["-by"])["text"]
+
+
+def test_min_tokens_holds_eos_back(server: ServerProcess) -> None:
+    baseline = chat_hi(server)
+    assert baseline["finish_reason"] == "stop" and baseline["completion_tokens"] < 12, baseline
+    held = chat_hi(server, min_tokens=12)
+    assert held["completion_tokens"] >= 12 and held["text"].startswith(baseline["text"]), held
+
+
+def test_ignore_eos_runs_to_max_tokens(server: ServerProcess) -> None:
+    assert chat_hi(server)["finish_reason"] == "stop"
+    ignored = chat_hi(server, ignore_eos=True)
+    assert ignored["finish_reason"] == "length" and ignored["completion_tokens"] == 16, ignored
+
+
+def test_stop_token_ids_end_the_request(server: ServerProcess) -> None:
+    baseline = complete(server, "Hello")
+    assert baseline["finish_reason"] == "length" and baseline["text"].startswith("-by"), baseline
+    by = tokenize(server, prompt="-by")[-1]  # the second token the model generates
+    stopped = complete(server, "Hello", stop_token_ids=[by])
+    assert (stopped["finish_reason"], stopped["stop_reason"], stopped["num_tokens"]) == ("stop", by, 2), stopped
+
+
+def test_include_stop_str_in_output(server: ServerProcess) -> None:
+    assert complete(server, "Hello", stop=["date"])["text"] == "-by-"
+    assert complete(server, "Hello", stop=["date"], include_stop_str_in_output=True)["text"] == "-by-date"
+
+
+def test_skip_special_tokens(server: ServerProcess) -> None:
+    """EOS forced three times (logit_bias, ignore_eos): hidden by default, spelled out without skipping."""
+    forced = {"logit_bias": {"2": 100}, "ignore_eos": True, "max_tokens": 3}
+    assert complete(server, "Hello", **forced)["text"] == ""
+    assert complete(server, "Hello", **forced, skip_special_tokens=False)["text"] == "<|im_end|>" * 3
+
+
+def test_top_k_1_and_min_p_1_are_greedy(server: ServerProcess) -> None:
+    """At temperature 1 the n=3 samples differ from greedy; top_k=1 or min_p=1 leave only the greedy token."""
+    greedy = complete(server, "Hello")["text"]
+
+    def samples(**fields: Any) -> list[str]:
+        body = {"prompt": "Hello", "max_tokens": 8, "temperature": 1.0, "seed": 0, "n": 3, **fields}
+        response = httpx.post(server.url("/v1/completions"), json=body, timeout=120)
+        assert response.status_code == 200, response.text
+        return [choice["text"] for choice in response.json()["choices"]]
+
+    assert any(text != greedy for text in samples())
+    assert samples(top_k=1) == [greedy] * 3
+    assert samples(min_p=1.0) == [greedy] * 3
+
+
+@pytest.mark.parametrize(
+    ("prompt", "penalty"),
+    [
+        ("1, 1, 1, 1, 1, 1, 1, 1,", {"repetition_penalty": 1.5}),
+        ("1, 1, 1, 1, 1, 1, 1, 1,", {"frequency_penalty": 2.0}),
+        ("Hello", {"presence_penalty": 1.0}),
+    ],
+)
+def test_penalties_change_a_repetitive_output(server: ServerProcess, prompt: str, penalty: dict[str, float]) -> None:
+    baseline = complete(server, prompt, max_tokens=16)["text"]
+    assert complete(server, prompt, max_tokens=16, **penalty)["text"] != baseline
+
+
+def test_user_is_accepted_and_ignored(server: ServerProcess) -> None:
+    """As in vLLM: `user` changes nothing (not the seed, not the sampling)."""
+    sampled = {"temperature": 1.0, "seed": 5}
+    assert complete(server, "Hello", user="someone", **sampled) == complete(server, "Hello", **sampled)
 
 
 def test_max_tokens_null_fills_the_context(server: ServerProcess) -> None:
