@@ -91,12 +91,18 @@ print(json.dumps({"gflops": matmul / 1e9, "output_tokens_per_second": ceiling.ou
 """
 
 
-def folio_env(cpu_isa: str) -> dict[str, str]:
-    """Below this CPU's own tier, MKL, oneDNN and ATen are held to the tier as well (as `folio --cpu-isa` does)."""
+def held_libraries(cpu_isa: str) -> dict[str, str]:
+    """Below this CPU's own tier: the environment that holds MKL, oneDNN and ATen to the tier (as `folio
+    --cpu-isa` does). vLLM gets it too, so that its GEMMs (torch's) run as on a CPU of the tier; its own C++
+    kernels stay as its wheel built them, which favours vLLM."""
     from folio.kernels.isa import cpu_info, detect_tier, library_isa_env, resolve_cpu_isa
 
     flags = cpu_info()[1]
-    return {**os.environ, **library_isa_env(resolve_cpu_isa(cpu_isa, flags), detect_tier(flags))}
+    return library_isa_env(resolve_cpu_isa(cpu_isa, flags), detect_tier(flags))
+
+
+def folio_env(cpu_isa: str) -> dict[str, str]:
+    return {**os.environ, **held_libraries(cpu_isa)}
 
 
 def vllm_env() -> dict[str, str]:
@@ -125,7 +131,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="timed W1 runs per engine process (default 2)")
     parser.add_argument("--rounds", type=int, default=2, help="vLLM/Folio process pairs per dtype (default 2)")
     parser.add_argument(
-        "--cpu-isa", default="auto", help="Folio's --cpu-isa (the ceiling's too); vLLM runs as it is (default auto)"
+        "--cpu-isa",
+        default="auto",
+        help="Folio's --cpu-isa; below the CPU's own, torch's libraries of both engines and of the ceiling are held "
+        "to it too (vLLM's own C++ kernels are not) (default auto)",
     )
     ns = parser.parse_args()
     header(
@@ -143,7 +152,8 @@ def main() -> None:
         for round_index in range(ns.rounds):
             log(f"{dtype} round {round_index + 1}/{ns.rounds}: vLLM")
             cmd = [str(python), "-c", VLLM_SCRIPT, str(HF_DIR), dtype, str(W1), str(ns.repeats)]
-            runs["vllm"] += run_engine(cmd, vllm_env(), logs / f"vllm_offline_{dtype}_{round_index}.log")
+            env = {**vllm_env(), **held_libraries(ns.cpu_isa)}
+            runs["vllm"] += run_engine(cmd, env, logs / f"vllm_offline_{dtype}_{round_index}.log")
             log(f"{dtype} round {round_index + 1}/{ns.rounds}: Folio")
             cmd = [str(FOLIO_PYTHON), "-c", FOLIO_SCRIPT, default_model_path(), dtype, str(W1), str(ns.repeats)]
             cmd.append(ns.cpu_isa)
@@ -151,7 +161,8 @@ def main() -> None:
             log(f"  vLLM {runs['vllm'][-ns.repeats :]}, Folio {runs['folio'][-ns.repeats :]}")
         results[dtype] = runs
     ceilings = {dtype: flop_ceiling(dtype, ns.cpu_isa) for dtype in results}  # after the engines: a quiet machine
-    print(f"\nFolio --cpu-isa {ns.cpu_isa}; vLLM as installed")
+    held = held_libraries(ns.cpu_isa)
+    print(f"\nFolio --cpu-isa {ns.cpu_isa}; MKL/oneDNN/ATen of both engines and the ceiling: {held or 'as they are'}")
     columns = ["vLLM best (median) output tok/s", "Folio best (median)", "Folio / vLLM (best)", "FLOP ceiling"]
     print("\n| dtype | " + " | ".join(columns) + " | Folio / ceiling |")
     print("| --- | --- | --- | --- | --- | --- |")
