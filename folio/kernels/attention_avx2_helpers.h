@@ -1,22 +1,6 @@
 /* The helpers of the AVX2 + FMA attention bodies (decode_attention_avx2.h, prefill_attention_avx2.h), shared
  * by both cache types: included once by paged_attention_cpu.c where PAGED_ATTN_AVX2 is set. 8-float vectors;
- * named attn_* so that the element-wise AVX2 helpers of cpu_common.h never collide with them. */
-
-/* 8 bfloat16 widened to float32 in registers (bfloat16 is the high half of a float32) */
-static inline __m256 attn_load8_bf16(const uint16_t *p) {
-    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-}
-
-/* 8 float32 rounded to bfloat16 (nearest even, as f32_to_bf16 and torch; finite inputs) */
-static inline __m128i attn_f32x8_to_bf16(__m256 v) {
-    const __m256i bits = _mm256_castps_si256(v);
-    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-    const __m256i up = _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
-    /* packus works per 128-bit lane: quadwords 0 and 2 hold elements 0-3 and 4-7 */
-    const __m256i packed = _mm256_packus_epi32(_mm256_srli_epi32(up, 16), _mm256_srli_epi32(up, 16));
-    return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));
-}
+ * named attn_*; the bfloat16 conversions, exp256 and reduce8_add are cpu_common.h's (its AVX2 block). */
 
 /* all-ones in lanes j < n, zeros elsewhere (n may be <= 0 or > 8): tails of context chunks */
 static inline __m256 attn_lanes_below(int64_t n) {
@@ -25,36 +9,10 @@ static inline __m256 attn_lanes_below(int64_t n) {
     return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(clamped), lane));
 }
 
-/* exp(x) of 8 floats: exp512's Cephes scheme (x = n ln2 + r, degree-7 polynomial of r, times 2^n). The argument
- * is clamped to [-87, 88] as exp512 clamps it below, so 2^n is always a normal float built from its exponent
- * bits (AVX2 has no scalef): 0 (well, 1.6e-38) at -87 and below, never NaN. Softmax arguments are <= 0. */
-static inline __m256 attn_exp8(__m256 x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x); /* ln2 in two parts (Cody-Waite) */
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
-}
-
 static inline float attn_hmax8(__m256 v) {
     __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     m = _mm_max_ps(m, _mm_movehl_ps(m, m));
     return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
-}
-
-static inline float attn_hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
 /* lane j of the result = the sum of the 8 lanes of s[j]: one reduction tree (7 hadds and 2 lane swaps for 8
@@ -77,12 +35,12 @@ static inline void attn_softmax_rows_avx2(float *scores, int64_t num_rows, int64
         float *sr = scores + r * ctx16;
         __m256 sum = _mm256_setzero_ps();
         for (int64_t c0 = 0; c0 < ctx; c0 += 8) { /* the row's padding past ctx is read, then zeroed */
-            const __m256 p = _mm256_and_ps(attn_exp8(_mm256_sub_ps(_mm256_loadu_ps(sr + c0), mx)),
+            const __m256 p = _mm256_and_ps(exp256(_mm256_sub_ps(_mm256_loadu_ps(sr + c0), mx)),
                                            attn_lanes_below(ctx - c0));
             sum = _mm256_add_ps(sum, p);
             _mm256_storeu_ps(sr + c0, p);
         }
-        inv_sum[r] = 1.0f / attn_hsum8(sum);
+        inv_sum[r] = 1.0f / reduce8_add(sum);
     }
 }
 
@@ -105,14 +63,14 @@ static inline float attn_block8_softmax(const float *scores, int64_t visible, in
     const __m256 mx = _mm256_set1_ps(m_new);
     __m256 sum = _mm256_setzero_ps();
     for (int64_t c0 = 0; c0 < n8; c0 += 8) {
-        const __m256 p = _mm256_and_ps(attn_exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + c0), mx)),
+        const __m256 p = _mm256_and_ps(exp256(_mm256_sub_ps(_mm256_loadu_ps(scores + c0), mx)),
                                        attn_lanes_below(visible - c0));
         sum = _mm256_add_ps(sum, p);
         _mm256_storeu_ps(probs + c0, p);
     }
     const float rescale = m_old == -FLT_MAX ? 0.0f : expf(m_old - m_new); /* (libm's underflow path is slow) */
     state[0] = m_new;
-    state[1] = state[1] * rescale + attn_hsum8(sum);
+    state[1] = state[1] * rescale + reduce8_add(sum);
     return rescale;
 }
 

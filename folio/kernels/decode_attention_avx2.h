@@ -4,7 +4,7 @@
  * The AVX-512 body's three passes (decode_row_avx512_) with 8-float vectors and 16 registers, head_dim = 8 C:
  *   1. scores: 8 positions at a time, one vector of partial sums per position (8 independent FMA chains, the
  *      query read from L1 one vector at a time), then one 8-way reduction tree (attn_reduce8) per chunk;
- *   2. softmax: per query head one horizontal max, exp (attn_exp8) and a lane-wise sum over the score row;
+ *   2. softmax: per query head one horizontal max, exp (exp256) and a lane-wise sum over the score row;
  *   3. V: 16 registers do not hold G x C accumulators (G 3, head_dim 64: 24), so the pass walks the block's
  *      rows once per slice of W vectors of dims, with G x W accumulators, W vectors of V and one broadcast
  *      weight live; the later slices find the block's rows in L1 (a KV head's block: 4 KiB in float32).
@@ -12,27 +12,12 @@
 
 static inline __attribute__((always_inline)) __m256 CAT(kv_load8_, KV_SUFFIX)(const KV_T *p) {
 #if KV_IS_BF16
-    return attn_load8_bf16(p);
+    return load8_bf16(p);
 #else
     return _mm256_loadu_ps(p);
 #endif
 }
 
-/* The AVX-512 body's block prefetch (prefetch_block_head_): the rows of one KV head of one block, asked for one
- * block ahead, since the cache streams from DRAM. always_inline: gcc deletes calls to a function whose only
- * effect is prefetching. */
-static inline __attribute__((always_inline)) void CAT(prefetch_rows_avx2_, KV_SUFFIX)(
-    const KV_T *rows_start, int64_t rows, int64_t pos_stride, int64_t head_dim) {
-    const char *first = (const char *)rows_start;
-    const int64_t row_bytes = head_dim * (int64_t)sizeof(KV_T);
-    if (pos_stride == head_dim) { /* head-major: the rows are one run */
-        for (int64_t byte = 0; byte < rows * row_bytes; byte += 64) _mm_prefetch(first + byte, _MM_HINT_T0);
-        return;
-    }
-    for (int64_t j = 0; j < rows; ++j)
-        for (int64_t byte = 0; byte < row_bytes; byte += 64)
-            _mm_prefetch(first + j * pos_stride * (int64_t)sizeof(KV_T) + byte, _MM_HINT_T0);
-}
 
 /* s[j] = the 8-lane partial sums of q . k[j] for the chunk's 8 rows (the caller points rows past the chunk's
  * end at its last row and masks their scores out). One body for whole chunks and tails: the 8 row pointers live
@@ -55,7 +40,7 @@ static inline __attribute__((always_inline)) void CAT(decode_scores_avx2_, KV_SU
     const int64_t ctx16 = (ctx + 15) / 16 * 16, row_blocks = (ctx + bs - 1) / bs;
     const __m256 scale = _mm256_set1_ps(it->scale), lowest = _mm256_set1_ps(-FLT_MAX);
 #define PREFETCH_ROWS(cache, block, kh)                                                                          \
-    CAT(prefetch_rows_avx2_, KV_SUFFIX)((cache) + it->blocks[block] * it->block_stride + (kh) * head_stride, \
+    CAT(prefetch_block_head_, KV_SUFFIX)((cache) + it->blocks[block] * it->block_stride + (kh) * head_stride, \
                                         ctx - (block) * bs < bs ? ctx - (block) * bs : bs, pos_stride, D)
     for (int64_t kh = kh0; kh < kh1; ++kh) PREFETCH_ROWS(it->k_cache, 0, kh);
     for (int64_t start = 0; start < ctx; start += bs) {

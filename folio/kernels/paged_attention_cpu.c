@@ -156,7 +156,7 @@ static void load_as_f32(const void *src, int is_bf16, int64_t offset, int64_t n,
 #ifdef __AVX512F__
         for (; j + 16 <= n; j += 16) _mm512_storeu_ps(dst + j, load16_bf16(s + j));
 #elif PAGED_ATTN_AVX2
-        for (; j + 8 <= n; j += 8) _mm256_storeu_ps(dst + j, attn_load8_bf16(s + j));
+        for (; j + 8 <= n; j += 8) _mm256_storeu_ps(dst + j, load8_bf16(s + j));
 #endif
         for (; j < n; ++j) dst[j] = bf16_to_f32(s[j]);
     } else {
@@ -171,7 +171,7 @@ static void store_from_f32(void *dst, int is_bf16, int64_t offset, int64_t n, co
 #ifdef __AVX512F__
         for (; j + 16 <= n; j += 16) store16_bf16(d + j, _mm512_loadu_ps(src + j)); /* finite values */
 #elif PAGED_ATTN_AVX2
-        for (; j + 8 <= n; j += 8) _mm_storeu_si128((__m128i *)(d + j), attn_f32x8_to_bf16(_mm256_loadu_ps(src + j)));
+        for (; j + 8 <= n; j += 8) _mm_storeu_si128((__m128i *)(d + j), f32x8_to_bf16(_mm256_loadu_ps(src + j)));
 #endif
         for (; j < n; ++j) d[j] = f32_to_bf16(src[j]);
     } else {

@@ -47,6 +47,24 @@ static void CAT(attend_generic_, KV_SUFFIX)(const ITEM *it, const float *q, floa
     memcpy(out, acc, sizeof(float) * G * D);
 }
 
+#if defined(__AVX512F__) || PAGED_ATTN_AVX2
+/* Asks for the K or V rows of one KV head of one block (rows positions, pos_stride elements apart), all at once:
+ * the decode passes call it one block ahead of the block they compute. always_inline: gcc takes a function whose
+ * only effect is prefetching for one without effects, and deletes the calls to it. */
+static inline __attribute__((always_inline)) void CAT(prefetch_block_head_, KV_SUFFIX)(
+    const KV_T *rows_start, int64_t rows, int64_t pos_stride, int64_t head_dim) {
+    const char *first = (const char *)rows_start;
+    const int64_t row_bytes = head_dim * (int64_t)sizeof(KV_T);
+    if (pos_stride == head_dim) { /* head-major: the rows are one run */
+        for (int64_t byte = 0; byte < rows * row_bytes; byte += 64) _mm_prefetch(first + byte, _MM_HINT_T0);
+        return;
+    }
+    for (int64_t j = 0; j < rows; ++j)
+        for (int64_t byte = 0; byte < row_bytes; byte += 64)
+            _mm_prefetch(first + j * pos_stride * (int64_t)sizeof(KV_T) + byte, _MM_HINT_T0);
+}
+#endif
+
 #ifdef __AVX512F__
 /* One decode row, KV heads [kh0, kh1), head_dim = 16 C, G query heads per KV head (compile-time constants at
  * each call), in three steps over the row's blocks:
@@ -98,21 +116,6 @@ static inline __attribute__((always_inline)) void CAT(chunk_scores_, KV_SUFFIX)(
     }
 }
 
-/* Asks for the K or V rows of one KV head of one block (rows positions, pos_stride elements apart), all at once:
- * the decode passes call it one block ahead of the block they compute. always_inline: gcc takes a function whose
- * only effect is prefetching for one without effects, and deletes the calls to it. */
-static inline __attribute__((always_inline)) void CAT(prefetch_block_head_, KV_SUFFIX)(
-    const KV_T *rows_start, int64_t rows, int64_t pos_stride, int64_t head_dim) {
-    const char *first = (const char *)rows_start;
-    const int64_t row_bytes = head_dim * (int64_t)sizeof(KV_T);
-    if (pos_stride == head_dim) { /* head-major: the rows are one run */
-        for (int64_t byte = 0; byte < rows * row_bytes; byte += 64) _mm_prefetch(first + byte, _MM_HINT_T0);
-        return;
-    }
-    for (int64_t j = 0; j < rows; ++j)
-        for (int64_t byte = 0; byte < row_bytes; byte += 64)
-            _mm_prefetch(first + j * pos_stride * (int64_t)sizeof(KV_T) + byte, _MM_HINT_T0);
-}
 
 #if KV_IS_BF16 && defined(__AVX512BF16__)
 #define DECODE_V_DOT 1
