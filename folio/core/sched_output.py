@@ -66,6 +66,10 @@ class LogprobsLists:
     logprobs: list[list[float]]  # [num_positions][1 + k]
     ranks: list[int]  # [num_positions] rank of the chosen token (1 = most likely)
 
+    def rows(self, start: int, stop: int | None = None) -> LogprobsLists:
+        """Positions [start, stop) of the run."""
+        return LogprobsLists(self.token_ids[start:stop], self.logprobs[start:stop], self.ranks[start:stop])
+
 
 @dataclass
 class ModelRunnerOutput:

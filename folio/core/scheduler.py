@@ -26,6 +26,7 @@ from folio.config import SchedulerConfig
 from folio.core.block_hash import update_request_block_hashes
 from folio.core.fork_waitlist import ForkWaitlist
 from folio.core.kv_cache_manager import AllocationResult, KVCacheManager
+from folio.core.prompt_logprobs import undelivered_prompt_logprobs
 from folio.core.request_queue import create_request_queue
 from folio.core.sched_output import (
     CachedRequestData,
@@ -329,9 +330,9 @@ class Scheduler:
             update_request_block_hashes(request, self.block_size)
             self.kv_cache_manager.cache_computed_blocks(request)
         if prompt_logprobs is not None:
-            prompt_logprobs = _undelivered_prompt_logprobs(request, prompt_logprobs)
+            prompt_logprobs = undelivered_prompt_logprobs(request, prompt_logprobs)
         if logprobs is not None and len(new_token_ids) < len(logprobs.ranks):
-            logprobs = _truncate_logprobs(logprobs, len(new_token_ids))  # tokens after a stop are dropped
+            logprobs = logprobs.rows(0, len(new_token_ids))  # tokens after a stop are dropped
         if stopped:
             self._release(request)  # the caller drops it from running
         elif not new_token_ids and prompt_logprobs is None:
@@ -386,37 +387,3 @@ def _queue_time(request: Request) -> float | None:
     if request.first_scheduled_time is None:
         return None
     return max(0.0, request.first_scheduled_time - request.arrival_time)
-
-
-def _undelivered_prompt_logprobs(request: Request, prompt_logprobs: LogprobsLists) -> LogprobsLists | None:
-    """This step's prompt-logprob rows minus those at positions already delivered; records the new ones.
-
-    The worker scores every prompt position it computes (a pure function of its input, no history), so a request
-    preempted during its chunked prefill, whose recompute starts again at position 0, gets the rows of the
-    positions it delivered before the preemption a second time: they are dropped here, where the request's
-    history lives. Position p scores prompt token p + 1, so the rows end at min(num_computed_tokens,
-    num_prompt_tokens - 1) (num_computed_tokens already counts this step). Example: a 30-token prompt delivered
-    positions 0..15, then was preempted; its recompute's first chunk [0, 20) brings 20 rows for positions 0..19:
-    the first 16 are dropped, 16..19 are delivered, and None is returned where nothing is left.
-    """
-    end = min(request.num_computed_tokens, request.num_prompt_tokens - 1)
-    num_rows = len(prompt_logprobs.ranks)
-    num_delivered_here = max(0, request.num_prompt_logprobs_delivered - (end - num_rows))
-    request.num_prompt_logprobs_delivered = max(request.num_prompt_logprobs_delivered, end)
-    if num_delivered_here == 0:
-        return prompt_logprobs
-    if num_delivered_here >= num_rows:
-        return None
-    return LogprobsLists(
-        token_ids=prompt_logprobs.token_ids[num_delivered_here:],
-        logprobs=prompt_logprobs.logprobs[num_delivered_here:],
-        ranks=prompt_logprobs.ranks[num_delivered_here:],
-    )
-
-
-def _truncate_logprobs(logprobs: LogprobsLists, num_positions: int) -> LogprobsLists:
-    return LogprobsLists(
-        token_ids=logprobs.token_ids[:num_positions],
-        logprobs=logprobs.logprobs[:num_positions],
-        ranks=logprobs.ranks[:num_positions],
-    )
