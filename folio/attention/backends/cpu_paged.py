@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from folio.attention.backends.paged_cache import store_kv
 from folio.attention.metadata import AttnMetadata
 from folio.kernels.cpu_build import load_kernel_library
 from folio.kernels.cpu_kernels import CpuKernels
@@ -152,11 +153,8 @@ class CpuPagedBackend:
         ops = None if self._cpu_kernels is None else self._cpu_kernels.ops_for(key, value, kv_cache)
         if ops is not None and heads_packed(key) and heads_packed(value) and slots.dtype == torch.int64:
             ops.write_kv(key, value, kv_cache, slots.contiguous())
-        else:  # through (block, offset) indices: write_kv's returned slot views would copy a head-major cache
-            block_size = kv_cache.shape[2]
-            blocks, offsets = slots // block_size, slots % block_size
-            kv_cache[0][blocks, offsets] = key.to(kv_cache.dtype)
-            kv_cache[1][blocks, offsets] = value.to(kv_cache.dtype)
+        else:
+            store_kv(key, value, kv_cache, slots)
 
     def step_plan(self, attn: AttnMetadata) -> StepPlan:
         """The kernels' index arrays for a step; built on the first layer's call, reused by the others."""

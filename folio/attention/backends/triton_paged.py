@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from folio.attention.backends.paged_cache import write_kv
+from folio.attention.backends.paged_cache import store_kv
 from folio.attention.metadata import AttnMetadata
 
 
@@ -56,7 +56,7 @@ class TritonPagedBackend:
         scale: float,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         """Writes key/value at attn.slot_mapping, then causal attention of each query over its context."""
-        write_kv(key, value, kv_cache, attn.slot_mapping)
+        store_kv(key, value, kv_cache, attn.slot_mapping)
         num_tokens, num_heads, head_dim = query.shape
         _, _, block_size, num_kv_heads, _ = kv_cache.shape
         out = torch.empty(num_tokens, num_heads, head_dim, dtype=query.dtype, device=query.device)
