@@ -17,7 +17,7 @@ from folio.kernels.cpu_build import load_kernel_library, native_tier
 from folio.kernels.cpu_gemm import CpuGemm
 from folio.kernels.cpu_ops import CpuOps
 from folio.kernels.cpu_plan import CpuPlan, choose_cpu_plan
-from folio.kernels.isa import IsaTier, cpu_info, resolve_cpu_isa
+from folio.kernels.isa import IsaTier, cpu_info
 from folio.logger import init_logger
 
 logger = init_logger()
@@ -60,12 +60,9 @@ class CpuKernels:
 
     def describe(self) -> str:
         """The start-up log line: CPU model, tier and the implementation of each operation."""
-        model, flags = cpu_info()
-        native = resolve_cpu_isa("auto", flags)
-        dtype_name = str(self.dtype).removeprefix("torch.")
         return (
-            f"CPU {model}: ISA tier {self.tier.flag_name} (this CPU's best: {native.flag_name}); "
-            f"{dtype_name} kernels: {self.plan.describe()}"
+            f"CPU {cpu_info()[0]}: ISA tier {self.tier.flag_name} (this CPU's best: {native_tier().flag_name}); "
+            f"{self.plan.dtype_name} kernels: {self.plan.describe()}"
         )
 
 

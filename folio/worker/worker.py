@@ -161,9 +161,8 @@ class Worker:
         """On the CPU, the kernels of the --cpu-isa tier for the model's dtype; logs the tier and the plan."""
         if self.device.type != "cpu" or self.dtype not in CPU_KERNEL_DTYPES:
             return None
-        tier = self.config.cpu_config.tier()
-        check_cpu_dtype(str(self.dtype).removeprefix("torch."), tier)
-        kernels = load_cpu_kernels(tier, self.dtype)
+        kernels = load_cpu_kernels(self.config.cpu_config.tier(), self.dtype)
+        check_cpu_dtype(kernels.plan.dtype_name, kernels.tier)
         eager = " (fused decoder off: enforce_eager)" if self.config.model_config.enforce_eager else ""
         logger.info("%s%s", kernels.describe(), eager)
         return kernels
