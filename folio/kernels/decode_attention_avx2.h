@@ -39,9 +39,6 @@ static inline __attribute__((always_inline)) void CAT(decode_scores_avx2_, KV_SU
     const int64_t ctx = it->ctx, bs = it->block_size, D = 8 * C, pos_stride = it->pos_stride;
     const int64_t ctx16 = (ctx + 15) / 16 * 16, row_blocks = (ctx + bs - 1) / bs;
     const __m256 scale = _mm256_set1_ps(it->scale), lowest = _mm256_set1_ps(-FLT_MAX);
-#define PREFETCH_ROWS(cache, block, kh)                                                                          \
-    CAT(prefetch_block_head_, KV_SUFFIX)((cache) + it->blocks[block] * it->block_stride + (kh) * head_stride, \
-                                        ctx - (block) * bs < bs ? ctx - (block) * bs : bs, pos_stride, D)
     for (int64_t kh = kh0; kh < kh1; ++kh) PREFETCH_ROWS(it->k_cache, 0, kh);
     for (int64_t start = 0; start < ctx; start += bs) {
         const int64_t block_offset = it->blocks[start / bs] * it->block_stride;
@@ -126,7 +123,6 @@ static inline __attribute__((always_inline)) void CAT(decode_row_avx2_, KV_SUFFI
         for (int c = 0; c < C; ++c) _mm256_storeu_ps(o + 8 * c, _mm256_mul_ps(_mm256_loadu_ps(o + 8 * c), inv));
     }
 }
-#undef PREFETCH_ROWS
 
 #define DEFINE_DECODE_AVX2(G, C)                                                                             \
     static void CAT(decode_avx2_g##G##_c##C##_, KV_SUFFIX)(const ITEM *it, int64_t head_stride, int64_t kh0,  \

@@ -86,9 +86,6 @@ static inline __attribute__((always_inline)) void CAT(decode_row_avx512_, KV_SUF
      * (every block of every layer, each step), and neither the hardware prefetcher nor the out-of-order window
      * reaches a block ahead on its own. 64 decode rows x 30 layers, 2 threads: 10.3-11.0 -> 6.8-9.1 ms
      * (docs/performance.md). */
-#define PREFETCH_ROWS(cache, block, kh)                                                                        \
-    CAT(prefetch_block_head_, KV_SUFFIX)((cache) + it->blocks[block] * it->block_stride + (kh) * head_stride, \
-                                         ctx - (block) * bs < bs ? ctx - (block) * bs : bs, pos_stride, D)
     const int64_t row_blocks = (ctx + bs - 1) / bs;
     for (int64_t kh = kh0; kh < kh1; ++kh) PREFETCH_ROWS(it->k_cache, 0, kh);
     /* 1. scores */
@@ -212,7 +209,6 @@ static inline __attribute__((always_inline)) void CAT(decode_row_avx512_, KV_SUF
     }
 }
 
-#undef PREFETCH_ROWS
 #undef DECODE_V_DOT
 
 #define DEFINE_DECODE_AVX512(G, C)                                                                           \

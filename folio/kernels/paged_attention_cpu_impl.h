@@ -65,11 +65,17 @@ static inline __attribute__((always_inline)) void CAT(prefetch_block_head_, KV_S
 }
 #endif
 
+/* The decode bodies' block prefetch of KV head kh's rows of the row's block `block` (their locals it, ctx, bs,
+ * head_stride, pos_stride, D): asked one block ahead of the block they compute. */
+#define PREFETCH_ROWS(cache, block, kh)                                                                        \
+    CAT(prefetch_block_head_, KV_SUFFIX)((cache) + it->blocks[block] * it->block_stride + (kh) * head_stride, \
+                                         ctx - (block) * bs < bs ? ctx - (block) * bs : bs, pos_stride, D)
 #ifdef __AVX512F__
 #include "decode_attention_avx512.h"
 #elif PAGED_ATTN_AVX2
 #include "decode_attention_avx2.h"
 #endif
+#undef PREFETCH_ROWS
 
 /* KV heads [kh0, kh1) of one row: the AVX-512 (or AVX2) path where the shape has one, else the plain loops head
  * by head. q, out: the row's [H, D] float32; q_bf16: the row's raw bf16 query or NULL; acc: scratch [G, D]. */
