@@ -163,8 +163,9 @@ def cmd_serve(ns: argparse.Namespace) -> int:
             raise ValueError(f"the model is given twice: {ns.model_positional!r} and --model {ns.model!r}")
         ns.model = ns.model_positional
     ns.api_key = resolve_api_key(ns.api_key, os.environ)
-    if ns.max_num_queued_reqs is not None and ns.max_num_queued_reqs < 0:
-        raise ValueError(f"max_num_queued_reqs must be >= 0, got {ns.max_num_queued_reqs}")
+    for name in ("max_num_queued_reqs", "max_num_queued_tokens"):
+        if getattr(ns, name) is not None and getattr(ns, name) < 0:
+            raise ValueError(f"{name} must be >= 0, got {getattr(ns, name)}")
     if not 0 <= ns.port <= 65535:
         raise ValueError(f"port must be in [0, 65535], got {ns.port}")
     return run_server(ns, engine_args_from(ns))
@@ -206,8 +207,17 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         "--max-num-queued-reqs",
         type=int,
         default=None,
-        help="answer 503 to new generation requests while more than this many requests wait in the engine's "
-        "queue (default: no limit)",
+        help="admit at most --max-num-seqs plus this many requests at once (running plus queued, counted by the "
+        "server as it admits them; a request with n samples over P prompts counts n x P); others get 503 with "
+        "Retry-After (default: no limit)",
+    )
+    g.add_argument(
+        "--max-num-queued-tokens",
+        type=int,
+        default=None,
+        help="answer 503 with Retry-After while the admitted requests' prompt tokens awaiting prefill (prompts "
+        "with no output yet; each prompt once, whatever n) plus the new request's would exceed this; a request "
+        "arriving when none await prefill is always admitted (default: no limit)",
     )
     g.add_argument(
         "--uvicorn-log-level",

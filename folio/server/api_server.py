@@ -24,6 +24,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from folio.config import EngineArgs
+from folio.server.admission import Admission, AdmissionLimits, register_admission_metrics
 from folio.server.errors import install_exception_handlers
 from folio.server.metrics import LoggingStatLogger, PrometheusStatLogger
 from folio.server.middleware import GateMiddleware
@@ -70,14 +71,20 @@ def build_app(
 ) -> FastAPI:
     """The OpenAI-compatible app over a running engine; ``prometheus`` must be the logger the engine records to."""
     model_name = served_model_name(args)
+    limits = AdmissionLimits(
+        max_num_seqs=engine.config.scheduler_config.max_num_seqs,
+        max_num_queued_reqs=getattr(args, "max_num_queued_reqs", None),
+        max_num_queued_tokens=getattr(args, "max_num_queued_tokens", None),
+    )
     ctx = ServingContext(
         engine=engine,
         model_name=model_name,
         max_model_len=engine.config.scheduler_config.max_model_len,
-        max_num_queued_reqs=getattr(args, "max_num_queued_reqs", None),
+        admission=Admission(limits),
     )
     state = ServerState(api_key=getattr(args, "api_key", None))
     prometheus = prometheus or PrometheusStatLogger(model_name)
+    register_admission_metrics(prometheus.registry, ctx.admission, model_name)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -35,7 +35,13 @@ class APIError(Exception):
     """An error answered to the client in the envelope, with its HTTP status."""
 
     def __init__(
-        self, status: int, message: str, param: str | None = None, code: str | None = None, type: str | None = None
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        type: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -43,12 +49,13 @@ class APIError(Exception):
         self.param = param
         self.code = code
         self.type = type or _TYPES.get(status, "invalid_request_error")
+        self.headers = headers  # e.g. Retry-After on a 503 refusal
 
     def to_dict(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def to_response(self) -> JSONResponse:
-        return JSONResponse(self.to_dict(), status_code=self.status)
+        return JSONResponse(self.to_dict(), status_code=self.status, headers=self.headers)
 
     def to_sse(self) -> str:
         """A stream's error event; the caller follows it with ``data: [DONE]``."""

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from folio.outputs import CompletionOutput, Logprob, RequestOutput
 from folio.sampling_params import SamplingParams
+from folio.server.admission import Admission
 from folio.server.errors import APIError, bad_request, from_value_error
 from folio.server.protocol import UsageInfo
 
@@ -76,7 +77,7 @@ class ServingContext:
     engine: AsyncLLM
     model_name: str
     max_model_len: int
-    max_num_queued_reqs: int | None = None
+    admission: Admission = field(default_factory=Admission)  # the server's own count of requests in flight
 
     @property
     def tokenizer(self) -> Any:
@@ -90,20 +91,6 @@ class ServingContext:
                 f"The model '{requested}' does not exist; this server serves '{self.model_name}'.",
                 param="model",
                 code="model_not_found",
-            )
-
-    def check_queue(self) -> None:
-        """503 while the engine's waiting queue is over --max-num-queued-reqs (the count the core last reported)."""
-        limit = self.max_num_queued_reqs
-        if limit is None:
-            return
-        num_waiting = int(getattr(self.engine, "num_waiting_requests", 0))
-        if num_waiting > limit:
-            raise APIError(
-                503,
-                f"The server is overloaded: {num_waiting} requests are waiting, more than --max-num-queued-reqs "
-                f"{limit}. Retry later.",
-                code="queue_full",
             )
 
     def encode(self, text: str, param: str = "prompt") -> list[int]:

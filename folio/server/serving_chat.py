@@ -49,17 +49,25 @@ class OpenAIServingChat:
         params = ctx.make_sampling_params(
             lambda: body.to_sampling_params(max_tokens, num_top), {"max_tokens": field, "logprobs": "top_logprobs"}
         )
-        ctx.check_queue()
-        request_id = random_id("chatcmpl")
-        generator = ctx.generate({"prompt_token_ids": prompt_ids}, params, request_id, body.priority)
-        if body.stream:
-            primed = await cancel_on_disconnect(prime(generator), raw_request)
-            stream = self._stream(request_id, body, params, primed, len(prompt_ids))
-            return AbortingStreamingResponse(stream)
-        response = await cancel_on_disconnect(
-            self._collect(request_id, params, generator, len(prompt_ids)), raw_request
-        )
-        return JSONResponse(response.model_dump())
+        ticket = ctx.admission.admit([len(prompt_ids)], params.n)  # 503 here when full
+        handed_over = False  # a streamed response releases the ticket when it ends; otherwise this handler does
+        try:
+            request_id = random_id("chatcmpl")
+            generator = ticket.track(
+                0, ctx.generate({"prompt_token_ids": prompt_ids}, params, request_id, body.priority)
+            )
+            if body.stream:
+                primed = await cancel_on_disconnect(prime(generator), raw_request)
+                stream = self._stream(request_id, body, params, primed, len(prompt_ids))
+                handed_over = True
+                return AbortingStreamingResponse(stream, on_close=ticket.release)
+            response = await cancel_on_disconnect(
+                self._collect(request_id, params, generator, len(prompt_ids)), raw_request
+            )
+            return JSONResponse(response.model_dump())
+        finally:
+            if not handed_over:
+                ticket.release()
 
     async def _collect(
         self,

@@ -47,20 +47,26 @@ class OpenAIServingCompletion:
         prompts = self._prompts(body)
         max_tokens = min(ctx.resolve_max_tokens(body.max_tokens, len(ids)) for _, ids in prompts)
         params = ctx.make_sampling_params(lambda: body.to_sampling_params(max_tokens, body.logprobs))
-        ctx.check_queue()
-        request_id = random_id("cmpl")
-        generators = [
-            ctx.generate({"prompt": text, "prompt_token_ids": ids}, params, f"{request_id}-{i}", body.priority)
-            for i, (text, ids) in enumerate(prompts)
-        ]
-        num_prompt_tokens = sum(len(ids) for _, ids in prompts)
-        if body.stream:
-            primed = await cancel_on_disconnect(prime_all(generators), raw_request)
-            stream = self._stream(request_id, body, params, primed, num_prompt_tokens)
-            return AbortingStreamingResponse(stream)
-        collect = self._collect(request_id, body, params, generators, num_prompt_tokens)
-        response = await cancel_on_disconnect(collect, raw_request)
-        return JSONResponse(response.model_dump())
+        ticket = ctx.admission.admit([len(ids) for _, ids in prompts], params.n)  # 503 here when full
+        handed_over = False  # a streamed response releases the ticket when it ends; otherwise this handler does
+        try:
+            request_id = random_id("cmpl")
+            generators = []
+            for i, (text, ids) in enumerate(prompts):
+                prompt = {"prompt": text, "prompt_token_ids": ids}
+                generators.append(ticket.track(i, ctx.generate(prompt, params, f"{request_id}-{i}", body.priority)))
+            num_prompt_tokens = sum(len(ids) for _, ids in prompts)
+            if body.stream:
+                primed = await cancel_on_disconnect(prime_all(generators), raw_request)
+                stream = self._stream(request_id, body, params, primed, num_prompt_tokens)
+                handed_over = True
+                return AbortingStreamingResponse(stream, on_close=ticket.release)
+            collect = self._collect(request_id, body, params, generators, num_prompt_tokens)
+            response = await cancel_on_disconnect(collect, raw_request)
+            return JSONResponse(response.model_dump())
+        finally:
+            if not handed_over:
+                ticket.release()
 
     def _prompts(self, body: CompletionRequest) -> list[tuple[str | None, list[int]]]:
         """(text, token ids) per prompt; the four OpenAI prompt shapes."""

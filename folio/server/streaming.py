@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -32,18 +32,26 @@ class AbortingStreamingResponse(StreamingResponse):
     """A StreamingResponse that closes its body generator however the response ends.
 
     Starlette cancels the send loop when the client disconnects but leaves the generator suspended at its
-    ``yield``; closing it here runs its ``finally`` blocks, which close the engine generators (abort).
+    ``yield``; closing it here runs its ``finally`` blocks, which close the engine generators (abort). Then
+    ``on_close`` runs (the admission ticket's release), however the response ended.
     """
 
-    def __init__(self, content: AsyncGenerator[str, None], **kwargs: Any) -> None:
+    def __init__(
+        self, content: AsyncGenerator[str, None], on_close: Callable[[], None] | None = None, **kwargs: Any
+    ) -> None:
         super().__init__(content, media_type="text/event-stream", **kwargs)
         self._generator = content
+        self._on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            await self._generator.aclose()
+            try:
+                await self._generator.aclose()
+            finally:
+                if self._on_close is not None:
+                    self._on_close()
 
 
 async def prime(generator: AsyncGenerator[T, None]) -> AsyncGenerator[T, None]:

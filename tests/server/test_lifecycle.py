@@ -72,9 +72,9 @@ def _health_status(server: ServerProcess, method: str = "GET", path: str = "/hea
 
 @pytest.fixture(scope="module")
 def keyed_server(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """Key from --api-key (FOLIO_API_KEY holds another key: the flag must win); 2 sequences at a time, at most 1
-    waiting request, priority scheduling."""
-    args = ["--api-key", API_KEY, "--max-num-seqs", "2", "--max-num-queued-reqs", "1"]
+    """Key from --api-key (FOLIO_API_KEY holds another key: the flag must win); 2 sequences at a time, at most 2
+    queued requests (4 in flight), priority scheduling."""
+    args = ["--api-key", API_KEY, "--max-num-seqs", "2", "--max-num-queued-reqs", "2"]
     args += ["--scheduling-policy", "priority"]
     env = {"FOLIO_API_KEY": ENV_API_KEY}
     proc = start_server(Path(tmp_path_factory.mktemp("keyed")), "keyed", args, env=env)
@@ -182,7 +182,8 @@ def test_priority_reorders_a_full_batch(keyed_server: ServerProcess) -> None:
 
 
 def test_queue_limit_503(keyed_server: ServerProcess) -> None:
-    """2 running + at least 2 waiting > 1 queued allowed: a new request gets 503 until the queue drains."""
+    """2 running + 2 queued fill --max-num-seqs 2 + --max-num-queued-reqs 2: a new request gets 503 with
+    Retry-After until they are gone."""
     server = keyed_server
     headers = _auth(API_KEY)
     body = {**LONG_STREAM, "stream": False}
@@ -193,7 +194,7 @@ def test_queue_limit_503(keyed_server: ServerProcess) -> None:
         async with httpx.AsyncClient(timeout=HANG_GUARD_S) as aclient:
             holders = [asyncio.create_task(_hold_stream(aclient, server, stop)) for stop in stops]
             await _wait_for_metric(aclient, server, "folio:num_requests_running", lambda n: n == 2, holders)
-            # The first two are admitted (the core reported at most 1 waiting); a third may already get 503.
+            # Two of these are admitted and queue; the third is refused at once.
             url = server.url("/v1/completions")
             waiting = [asyncio.create_task(aclient.post(url, json=body, headers=headers)) for _ in range(3)]
             await _wait_for_metric(aclient, server, "folio:num_requests_waiting", lambda n: n >= 2)
@@ -208,6 +209,7 @@ def test_queue_limit_503(keyed_server: ServerProcess) -> None:
     response = asyncio.run(run())
     assert response.status_code == 503, response.text
     assert response.json()["error"]["type"] == "service_unavailable_error"
+    assert int(response.headers["retry-after"]) >= 1
     assert wait_until(lambda: _idle(server), timeout_s=HANG_GUARD_S), server.metrics()
     response = httpx.post(server.url("/v1/completions"), json=probe, headers=headers, timeout=60)
     assert response.status_code == 200
@@ -282,6 +284,7 @@ def test_serve_help_documents_every_flag() -> None:
         "--enable-prefix-caching",
         "--no-enable-prefix-caching",
         "--max-num-queued-reqs",
+        "--max-num-queued-tokens",
         "--seed",
         "--uvicorn-log-level",
     ]
