@@ -28,6 +28,7 @@ from folio.server.admission import Admission, AdmissionLimits, register_admissio
 from folio.server.errors import install_exception_handlers
 from folio.server.metrics import LoggingStatLogger, PrometheusStatLogger
 from folio.server.middleware import GateMiddleware
+from folio.server.openapi_spec import install_openapi
 from folio.server.routes import register_routes
 from folio.server.serving_base import ServingContext
 
@@ -103,6 +104,7 @@ def build_app(
     app.state.ctx = ctx
     app.state.prometheus = prometheus
     install_exception_handlers(app)
+    install_openapi(app)
     register_routes(app, ctx, state, prometheus, model_path=getattr(args, "model", None))
     app.add_middleware(GateMiddleware, state=state)
     return app
