@@ -25,8 +25,10 @@ from fastapi import FastAPI
 
 from folio.config import EngineArgs
 from folio.server.errors import install_exception_handlers
+from folio.server.limits import DEFAULT_MAX_N_SEQUENCES, DEFAULT_MAX_REQUEST_BODY_BYTES
 from folio.server.metrics import LoggingStatLogger, PrometheusStatLogger
 from folio.server.middleware import GateMiddleware
+from folio.server.request_body import RequestBodyMiddleware
 from folio.server.routes import register_routes
 from folio.server.serving_base import ServingContext
 
@@ -75,6 +77,7 @@ def build_app(
         model_name=model_name,
         max_model_len=engine.config.scheduler_config.max_model_len,
         max_num_queued_reqs=getattr(args, "max_num_queued_reqs", None),
+        max_n_sequences=getattr(args, "max_n_sequences", DEFAULT_MAX_N_SEQUENCES),
     )
     state = ServerState(api_key=getattr(args, "api_key", None))
     prometheus = prometheus or PrometheusStatLogger(model_name)
@@ -90,6 +93,7 @@ def build_app(
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            ctx.async_tokenizer.shutdown()
 
     app = FastAPI(title="Folio OpenAI-compatible server", lifespan=lifespan)
     app.state.folio = state
@@ -97,6 +101,8 @@ def build_app(
     app.state.prometheus = prometheus
     install_exception_handlers(app)
     register_routes(app, ctx, state, prometheus, model_path=getattr(args, "model", None))
+    max_body_bytes = getattr(args, "max_request_body_bytes", DEFAULT_MAX_REQUEST_BODY_BYTES)
+    app.add_middleware(RequestBodyMiddleware, max_body_bytes=max_body_bytes)  # inside the gate: 401/503 unread
     app.add_middleware(GateMiddleware, state=state)
     return app
 
