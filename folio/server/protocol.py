@@ -17,8 +17,9 @@ from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler
 from folio.sampling_params import SamplingParams
 from folio.server.input_hygiene import check_text
 
-# A signed 64-bit integer: what the engine, torch and every client language can hold.
-Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+# A signed 64-bit integer: what the engine, torch and every client language can hold. Both bounds are powers of two
+# so that the OpenAPI document, whose numbers are floats, states them exactly (2**63 - 1 would round up to 2**63).
+Int64 = Annotated[int, Field(ge=-(2**63), lt=2**63)]
 
 
 class StrictModel(BaseModel):

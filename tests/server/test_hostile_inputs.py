@@ -119,7 +119,10 @@ ROWS = [
     # -- integers: signed 64-bit, and n within --max-n-sequences
     Row("seed-2**70", CMPL, cmpl(f'"seed": {BIG}'), 400, "seed"),
     Row("seed--2**70", CMPL, cmpl(f'"seed": {-BIG}'), 400, "seed"),
+    Row("seed-2**63", CMPL, cmpl(f'"seed": {2**63}'), 400, "seed"),
+    Row("seed-2**63-1-is-fine", CMPL, cmpl(f'"seed": {2**63 - 1}, "temperature": 1'), 200),
     Row("priority-2**70", CMPL, cmpl(f'"priority": {BIG}'), 400, "priority"),
+    Row("priority--2**63-is-fine", CMPL, cmpl(f'"priority": {-(2**63)}'), 200),
     Row("n-2**70", CMPL, cmpl(f'"n": {BIG}'), 400, "n"),
     Row("max_tokens-2**70", CMPL, f'{{"prompt": "Hi", "max_tokens": {BIG}}}', 400, "max_tokens"),
     Row("logprobs-2**70", CMPL, cmpl(f'"logprobs": {BIG}'), 400, "logprobs"),
