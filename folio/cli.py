@@ -11,6 +11,7 @@ from dataclasses import fields
 from folio.config import MODEL_IMPLS, SCHEDULING_POLICIES, SUPPORTED_DTYPES, EngineArgs
 from folio.kernels.isa import CPU_ISA_CHOICES, cpu_info, is_x86_64, library_isa_env, resolve_cpu_isa
 from folio.logger import init_logger
+from folio.server.limits import DEFAULT_MAX_N_SEQUENCES, DEFAULT_MAX_REQUEST_BODY_BYTES
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -166,6 +167,10 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     for name in ("max_num_queued_reqs", "max_num_queued_tokens"):
         if getattr(ns, name) is not None and getattr(ns, name) < 0:
             raise ValueError(f"{name} must be >= 0, got {getattr(ns, name)}")
+    if ns.max_n_sequences < 1:
+        raise ValueError(f"max_n_sequences must be >= 1, got {ns.max_n_sequences}")
+    if ns.max_request_body_bytes < 1:
+        raise ValueError(f"max_request_body_bytes must be >= 1, got {ns.max_request_body_bytes}")
     if not 0 <= ns.port <= 65535:
         raise ValueError(f"port must be in [0, 65535], got {ns.port}")
     return run_server(ns, engine_args_from(ns))
@@ -218,6 +223,22 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         help="answer 503 with Retry-After while the admitted requests' prompt tokens awaiting prefill (prompts "
         "with no output yet; each prompt once, whatever n) plus the new request's would exceed this; a request "
         "arriving when none await prefill is always admitted (default: no limit)",
+    )
+    g.add_argument(
+        "--max-n-sequences",
+        type=int,
+        default=DEFAULT_MAX_N_SEQUENCES,
+        help="the most sequences one request may ask for with 'n' (400 beyond; vLLM's VLLM_MAX_N_SEQUENCES, 16384 "
+        f"there). Default {DEFAULT_MAX_N_SEQUENCES}, OpenAI's own limit: the n sequences of a request are "
+        "scheduled together, and a large n holds a small server's engine for minutes",
+    )
+    g.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+        help="refuse larger request bodies with 413 before reading them further (vLLM has no such limit). Default "
+        f"{DEFAULT_MAX_REQUEST_BODY_BYTES} (8 MiB): a full 128k-token context is about 1 MB of JSON, and the limit "
+        "bounds what one request can make the server buffer, parse and tokenize",
     )
     g.add_argument(
         "--uvicorn-log-level",

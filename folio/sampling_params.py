@@ -11,6 +11,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 _GREEDY_EPS = 1e-5
+# OpenAI's documented range, which vLLM checks too; every float field has a closed range, so inf and NaN fail.
+MAX_TEMPERATURE = 2.0
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
 def _check(cond: bool, name: str, limit: str, value: Any) -> None:
@@ -69,7 +72,9 @@ class SamplingParams:
 
     def _validate(self) -> None:
         _check(isinstance(self.n, int) and self.n >= 1, "n", "an integer >= 1", self.n)
-        _check(self.temperature >= 0.0, "temperature", ">= 0", self.temperature)
+        _check(
+            0.0 <= self.temperature <= MAX_TEMPERATURE, "temperature", f"in [0, {MAX_TEMPERATURE:g}]", self.temperature
+        )
         _check(0.0 < self.top_p <= 1.0, "top_p", "in (0, 1]", self.top_p)
         _check(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", "0 or -1 (disabled) or >= 1", self.top_k)
         _check(0.0 <= self.min_p <= 1.0, "min_p", "in [0, 1]", self.min_p)
@@ -103,7 +108,12 @@ class SamplingParams:
         for s in self.stop:
             _check(isinstance(s, str) and len(s) > 0, "stop", "a list of non-empty strings", self.stop)
         if self.seed is not None:
-            _check(isinstance(self.seed, int), "seed", "an integer", self.seed)
+            _check(
+                isinstance(self.seed, int) and _INT64_MIN <= self.seed <= _INT64_MAX,
+                "seed",
+                "a signed 64-bit integer",
+                self.seed,
+            )
 
     @property
     def is_greedy(self) -> bool:

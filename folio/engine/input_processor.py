@@ -40,7 +40,7 @@ class InputProcessor:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must not be empty")
-            return ProcessedPrompt(prompt, list(self.tokenizer.encode(prompt, add_special_tokens=False)))
+            return ProcessedPrompt(prompt, self._encode(prompt, "prompt"))
         if isinstance(prompt, list | tuple):
             return self._from_token_ids(list(prompt), None)
         raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
@@ -114,12 +114,19 @@ class InputProcessor:
     def _bad_words_to_ids(self, bad_words: list[str]) -> list[list[int]]:
         """Each bad word is banned both as written and with a leading space, as vLLM does."""
         sequences: list[list[int]] = []
-        for word in bad_words:
+        for i, word in enumerate(bad_words):
             for variant in {word, " " + word.lstrip()}:
-                ids = list(self.tokenizer.encode(variant, add_special_tokens=False))
+                ids = self._encode(variant, f"bad_words[{i}]")
                 if ids and ids not in sequences:
                     sequences.append(ids)
         return sequences
+
+    def _encode(self, text: str, field: str) -> list[int]:
+        """The tokenizer's ids; its failure on the text (e.g. a lone surrogate) is the caller's, a ValueError."""
+        try:
+            return list(self.tokenizer.encode(text, add_special_tokens=False))
+        except Exception as e:
+            raise ValueError(f"{field} could not be tokenized: {type(e).__name__}: {e}") from e
 
 
 def child_request_id(request_id: str, index: int, n: int) -> str:

@@ -26,9 +26,11 @@ from fastapi import FastAPI
 from folio.config import EngineArgs
 from folio.server.admission import Admission, AdmissionLimits, register_admission_metrics
 from folio.server.errors import install_exception_handlers
+from folio.server.limits import DEFAULT_MAX_N_SEQUENCES, DEFAULT_MAX_REQUEST_BODY_BYTES
 from folio.server.metrics import LoggingStatLogger, PrometheusStatLogger
 from folio.server.middleware import GateMiddleware
 from folio.server.openapi_spec import install_openapi
+from folio.server.request_body import RequestBodyMiddleware
 from folio.server.routes import register_routes
 from folio.server.serving_base import ServingContext
 
@@ -82,6 +84,7 @@ def build_app(
         model_name=model_name,
         max_model_len=engine.config.scheduler_config.max_model_len,
         admission=Admission(limits),
+        max_n_sequences=getattr(args, "max_n_sequences", DEFAULT_MAX_N_SEQUENCES),
     )
     state = ServerState(api_key=getattr(args, "api_key", None))
     prometheus = prometheus or PrometheusStatLogger(model_name)
@@ -98,6 +101,7 @@ def build_app(
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            ctx.async_tokenizer.shutdown()
 
     app = FastAPI(title="Folio OpenAI-compatible server", lifespan=lifespan)
     app.state.folio = state
@@ -106,6 +110,8 @@ def build_app(
     install_exception_handlers(app)
     install_openapi(app)
     register_routes(app, ctx, state, prometheus, model_path=getattr(args, "model", None))
+    max_body_bytes = getattr(args, "max_request_body_bytes", DEFAULT_MAX_REQUEST_BODY_BYTES)
+    app.add_middleware(RequestBodyMiddleware, max_body_bytes=max_body_bytes)  # inside the gate: 401/503 unread
     app.add_middleware(GateMiddleware, state=state)
     return app
 

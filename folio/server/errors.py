@@ -6,6 +6,7 @@ typed exceptions (BadRequestError, NotFoundError, ...) and the server never answ
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import re
@@ -15,8 +16,11 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from folio.server.input_hygiene import InvalidTextError, encodable
+from folio.server.streaming import ClientDisconnected
 
 logger = logging.getLogger("folio")
 
@@ -32,7 +36,11 @@ _TYPES = {
 
 
 class APIError(Exception):
-    """An error answered to the client in the envelope, with its HTTP status."""
+    """An error answered to the client in the envelope, with its HTTP status.
+
+    Message and param are made encodable here (a lone surrogate becomes its escape), so that an error which
+    echoes a client's text can always be sent.
+    """
 
     def __init__(
         self,
@@ -43,10 +51,11 @@ class APIError(Exception):
         type: str | None = None,
         headers: dict[str, str] | None = None,
     ) -> None:
+        message = encodable(message)
         super().__init__(message)
         self.status = status
         self.message = message
-        self.param = param
+        self.param = None if param is None else encodable(param)
         self.code = code
         self.type = type or _TYPES.get(status, "invalid_request_error")
         self.headers = headers  # e.g. Retry-After on a 503 refusal
@@ -83,12 +92,26 @@ def from_value_error(error: ValueError, known_fields: Collection[str] = ()) -> A
     return bad_request(message, param=param)
 
 
-def _format_loc(loc: Sequence[Any]) -> str:
-    """("body", "messages", 0, "content") -> "messages[0].content"."""
+def _format_loc(loc: Sequence[Any], body: Any = None, missing: bool = False) -> str:
+    """("body", "messages", 0, "content") -> "messages[0].content".
+
+    With the request ``body``, the path follows the data: a location item that is neither a key nor an index of
+    the value reached so far is a union member's tag (pydantic's "str", "list[int]") and is left out, so that
+    ``{"prompt": {}}`` names ``prompt``, not ``prompt.str``. A missing field's name (the last item) is kept.
+    """
+    items = list(loc[1:] if loc and loc[0] == "body" else loc)
     parts: list[str] = []
-    for item in loc:
-        if (item == "body" and not parts) or item == "[key]":
+    value, follow = body, body is not None
+    for position, item in enumerate(items):
+        if item == "[key]":
             continue
+        if follow:
+            in_dict = isinstance(value, dict) and item in value
+            in_list = isinstance(value, list) and isinstance(item, int) and 0 <= item < len(value)
+            if in_dict or in_list:
+                value = value[item]
+            elif not (missing and position == len(items) - 1):
+                continue  # a union tag
         if isinstance(item, int):
             parts.append(f"[{item}]")
         else:
@@ -101,9 +124,14 @@ def from_validation_error(exc: RequestValidationError) -> APIError:
     errors = list(exc.errors())
     if not errors:
         return bad_request("invalid request")
-    err = errors[0]
+    # A union field fails once per member; the member that got deepest into the value says what is wrong.
+    field = tuple(errors[0].get("loc", ()))[:2]
+    err = max((e for e in errors if tuple(e.get("loc", ()))[:2] == field), key=lambda e: len(e.get("loc", ())))
     kind = err.get("type", "")
-    param = _format_loc(err.get("loc", ())) or None
+    invalid_text = (err.get("ctx") or {}).get("error")
+    if isinstance(invalid_text, InvalidTextError):
+        return bad_request(str(invalid_text), param=invalid_text.path, code="invalid_unicode")
+    param = _format_loc(err.get("loc", ()), getattr(exc, "body", None), missing=kind == "missing") or None
     if kind == "json_invalid":
         detail = (err.get("ctx") or {}).get("error", err.get("msg", ""))
         return bad_request(f"malformed JSON in the request body: {detail}", code="json_invalid")
@@ -127,6 +155,14 @@ def _is_small_json(value: Any) -> bool:
         return False
 
 
+def _describe(exc: BaseException) -> str:
+    """'TypeName: message', encodable; falls back to the type name when str(exc) itself fails."""
+    try:
+        return encodable(f"{type(exc).__name__}: {exc}")
+    except Exception:
+        return type(exc).__name__
+
+
 def install_exception_handlers(app: FastAPI) -> None:
     """Validation errors, HTTP errors and anything unexpected all answer in the envelope."""
 
@@ -147,11 +183,21 @@ def install_exception_handlers(app: FastAPI) -> None:
         message = exc.detail if isinstance(exc.detail, str) and exc.detail else phrase
         return APIError(exc.status_code, message).to_response()
 
+    async def on_client_disconnected(_: Request, exc: Exception) -> Response:
+        """The client went away and its request was aborted: one info line, and a response nobody receives."""
+        assert isinstance(exc, ClientDisconnected)
+        logger.info("request %s aborted: client disconnected", exc.request_id)
+        return Response(status_code=499)  # nginx's "client closed request"; uvicorn drops it unsent
+
     async def on_unexpected(_: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unexpected error while serving a request")
-        return APIError(500, f"internal server error: {type(exc).__name__}: {exc}").to_response()
+        """The last resort: it must answer whatever ``exc`` holds, so nothing here may raise."""
+        # A broken log handler or an exception whose str() raises must not stop the 500 from going out.
+        with contextlib.suppress(Exception):
+            logger.exception("unexpected error while serving a request")
+        return APIError(500, f"internal server error: {_describe(exc)}").to_response()
 
     app.add_exception_handler(APIError, on_api_error)
+    app.add_exception_handler(ClientDisconnected, on_client_disconnected)
     app.add_exception_handler(RequestValidationError, on_validation_error)
     app.add_exception_handler(StarletteHTTPException, on_http_error)
     app.add_exception_handler(Exception, on_unexpected)

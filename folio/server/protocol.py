@@ -2,17 +2,24 @@
 
 Request models forbid unknown fields: a misspelt parameter is a 400 that names it, not a silent default (a known
 pain of vLLM users). vLLM's extra sampling fields (top_k, min_p, ...) are accepted as vLLM accepts them. Range
-checks live in ``SamplingParams`` (one place); these models check only types and the OpenAI-only rules.
+checks live in ``SamplingParams`` (one place); these models check only types and the OpenAI-only rules, plus two
+that hold for every request: each integer is a signed 64-bit one (``Int64``, as vLLM bounds ``seed``), and all
+text is valid Unicode (``RequestBody``, through folio/server/input_hygiene.py).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer, model_validator
 
 from folio.sampling_params import SamplingParams
+from folio.server.input_hygiene import check_text
+
+# A signed 64-bit integer: what the engine, torch and every client language can hold. Both bounds are powers of two
+# so that the OpenAPI document, whose numbers are floats, states them exactly (2**63 - 1 would round up to 2**63).
+Int64 = Annotated[int, Field(ge=-(2**63), lt=2**63)]
 
 
 class StrictModel(BaseModel):
@@ -21,20 +28,31 @@ class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class RequestBody(StrictModel):
+    """A whole request body: all its text, keys included, is checked to be valid Unicode before any field is
+    validated, so that no lone surrogate reaches the tokenizer or an error message (400 naming the field)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_text(cls, data: Any) -> Any:
+        check_text(data)
+        return data
+
+
 class StreamOptions(StrictModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
 
-class SamplingFields(StrictModel):
+class SamplingFields(RequestBody):
     """The fields both endpoints share: OpenAI's plus vLLM's extras."""
 
     model: str | None = None
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     logit_bias: dict[int, float] | None = None
-    n: int = 1
-    seed: int | None = None
+    n: Int64 = 1
+    seed: Int64 | None = None
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -42,10 +60,10 @@ class SamplingFields(StrictModel):
     top_p: float | None = None
     user: str | None = None  # accepted and ignored, as vLLM does
     # vLLM's extra sampling parameters
-    top_k: int | None = None
+    top_k: Int64 | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
-    min_tokens: int = 0
+    min_tokens: Int64 = 0
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
@@ -53,7 +71,7 @@ class SamplingFields(StrictModel):
     include_stop_str_in_output: bool = False
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
-    priority: int = 0
+    priority: Int64 = 0
 
     def to_sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """Raises ValueError naming the field when a value is out of range (SamplingParams validates)."""
@@ -93,11 +111,11 @@ CompletionPrompt = str | list[str] | list[int] | list[list[int]]
 
 class CompletionRequest(SamplingFields):
     prompt: CompletionPrompt
-    max_tokens: int | None = 16  # OpenAI's and vLLM's default; null fills the context
-    logprobs: int | None = None
+    max_tokens: Int64 | None = 16  # OpenAI's and vLLM's default; null fills the context
+    logprobs: Int64 | None = None
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: Int64 | None = None
 
 
 class CompletionLogProbs(BaseModel):
@@ -157,7 +175,9 @@ class TextContentPart(StrictModel):
 
 class ChatMessage(StrictModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextContentPart] | None = None
+    # Required for every role: OpenAI lets only an assistant message with tool_calls (or a function_call) go
+    # without content, and this server accepts neither.
+    content: str | list[TextContentPart]
     name: str | None = None
 
     def to_template_dict(self) -> dict[str, Any]:
@@ -173,10 +193,10 @@ class ChatMessage(StrictModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens; both accepted
-    max_completion_tokens: int | None = None
+    max_tokens: Int64 | None = None  # deprecated by OpenAI in favour of max_completion_tokens; both accepted
+    max_completion_tokens: Int64 | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Int64 | None = None
     add_generation_prompt: bool = True  # vLLM's extra
 
     @property
@@ -251,7 +271,7 @@ class ChatCompletionStreamResponse(BaseModel):
 # ---------------------------------------------------------------------------------------------- utility endpoints
 
 
-class TokenizeRequest(StrictModel):
+class TokenizeRequest(RequestBody):
     """Either ``prompt`` (tokenized as /v1/completions does) or ``messages`` (through the chat template)."""
 
     model: str | None = None
@@ -267,7 +287,7 @@ class TokenizeResponse(BaseModel):
     max_model_len: int
 
 
-class DetokenizeRequest(StrictModel):
+class DetokenizeRequest(RequestBody):
     model: str | None = None
     tokens: list[int]
 

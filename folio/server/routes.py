@@ -81,10 +81,10 @@ def register_routes(
             raise bad_request("give exactly one of 'prompt' and 'messages'", param="prompt")
         if body.messages is not None:
             messages = [m.to_template_dict() for m in body.messages]
-            tokens = ctx.apply_chat_template(messages, body.add_generation_prompt)
+            tokens = await ctx.apply_chat_template(messages, body.add_generation_prompt)
         else:
             assert body.prompt is not None
-            tokens = list(ctx.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens))
+            tokens = await ctx.tokenize(body.prompt, add_special_tokens=body.add_special_tokens)
         return TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=ctx.max_model_len)
 
     @app.post("/detokenize")
@@ -94,7 +94,7 @@ def register_routes(
         for token_id in body.tokens:
             if not 0 <= token_id < vocab_size:
                 raise bad_request(f"tokens contains {token_id}, outside the vocabulary [0, {vocab_size})", "tokens")
-        return DetokenizeResponse(prompt=str(ctx.tokenizer.decode(body.tokens)))
+        return DetokenizeResponse(prompt=await ctx.detokenize(body.tokens))
 
 
 async def _health_response(ctx: ServingContext, state: ServerState) -> Response:

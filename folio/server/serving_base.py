@@ -3,7 +3,7 @@ and turning engine failures into enveloped errors.
 
 The server tokenizes prompts itself (as vLLM's frontend does) so that it knows the prompt length before the
 engine sees the request: that is what fills ``max_tokens`` when it is null and what the 400 for an oversized
-request states.
+request states. Tokenizing and chat templating run off the event loop (folio/server/async_tokenizer.py).
 """
 
 from __future__ import annotations
@@ -17,7 +17,10 @@ from typing import TYPE_CHECKING, Any
 from folio.outputs import CompletionOutput, Logprob, RequestOutput
 from folio.sampling_params import SamplingParams
 from folio.server.admission import Admission
+from folio.server.async_tokenizer import AsyncTokenizer, TokenizerInputError
 from folio.server.errors import APIError, bad_request, from_value_error
+from folio.server.input_hygiene import quote_text
+from folio.server.limits import DEFAULT_MAX_N_SEQUENCES
 from folio.server.protocol import UsageInfo
 
 if TYPE_CHECKING:
@@ -78,6 +81,11 @@ class ServingContext:
     model_name: str
     max_model_len: int
     admission: Admission = field(default_factory=Admission)  # the server's own count of requests in flight
+    max_n_sequences: int = DEFAULT_MAX_N_SEQUENCES
+    async_tokenizer: AsyncTokenizer = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.async_tokenizer = AsyncTokenizer(self.engine.tokenizer)
 
     @property
     def tokenizer(self) -> Any:
@@ -88,28 +96,43 @@ class ServingContext:
         if requested is not None and requested != self.model_name:
             raise APIError(
                 404,
-                f"The model '{requested}' does not exist; this server serves '{self.model_name}'.",
+                f"The model {quote_text(requested)} does not exist; this server serves '{self.model_name}'.",
                 param="model",
                 code="model_not_found",
             )
 
-    def encode(self, text: str, param: str = "prompt") -> list[int]:
-        """Token ids exactly as the engine's InputProcessor makes them (no special tokens added)."""
+    async def encode(self, text: str, param: str = "prompt") -> list[int]:
+        """A prompt's token ids exactly as the engine's InputProcessor makes them (no special tokens added)."""
         if not text:
             raise bad_request(f"{param} must not be empty", param=param)
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return await self.tokenize(text, param=param)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
+    async def tokenize(self, text: str, param: str = "prompt", add_special_tokens: bool = False) -> list[int]:
+        """Token ids made on the tokenizer thread; a tokenizer error on the text is the client's (400)."""
+        try:
+            return await self.async_tokenizer.encode(text, param, add_special_tokens)
+        except TokenizerInputError as e:
+            raise bad_request(str(e), param=e.param) from e
+
+    async def detokenize(self, token_ids: list[int]) -> str:
+        try:
+            return await self.async_tokenizer.decode(token_ids)
+        except TokenizerInputError as e:
+            raise bad_request(str(e), param=e.param) from e
+
+    async def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
         """The tokenizer's chat template, as ``LLM.chat`` applies it; template errors are the client's (400)."""
         try:
-            token_ids = self.tokenizer.apply_chat_template(
-                messages, tokenize=True, add_generation_prompt=add_generation_prompt
+            return await self.async_tokenizer.apply_chat_template(messages, add_generation_prompt)
+        except TokenizerInputError as e:
+            raise bad_request(str(e), param=e.param) from e
+
+    def check_n(self, n: int) -> None:
+        """400 for more sequences than --max-n-sequences allows in one request."""
+        if n > self.max_n_sequences:
+            raise bad_request(
+                f"n must be at most {self.max_n_sequences} (this server's --max-n-sequences), got {n}", param="n"
             )
-        except Exception as e:  # jinja raises TemplateError for conversations the template refuses
-            raise bad_request(f"the chat template rejected the messages: {e}", param="messages") from e
-        if isinstance(token_ids, dict) or hasattr(token_ids, "input_ids"):
-            token_ids = token_ids["input_ids"]
-        return list(token_ids)
 
     def resolve_max_tokens(
         self, requested: int | None, num_prompt_tokens: int, field: str = "max_tokens", prompt_field: str = "prompt"
@@ -147,6 +170,7 @@ class ServingContext:
             if error.param and field_renames:
                 error.param = field_renames.get(error.param, error.param)
             raise error from e
+        self.check_n(params.n)
         return params
 
     def generate(

@@ -43,7 +43,7 @@ class OpenAIServingChat:
         if body.stream_options is not None and not body.stream:
             raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
         messages = [m.to_template_dict() for m in body.messages]
-        prompt_ids = ctx.apply_chat_template(messages, body.add_generation_prompt)
+        prompt_ids = await ctx.apply_chat_template(messages, body.add_generation_prompt)
         field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         max_tokens = ctx.resolve_max_tokens(body.requested_max_tokens, len(prompt_ids), field, "messages")
         params = ctx.make_sampling_params(
@@ -57,12 +57,12 @@ class OpenAIServingChat:
                 0, ctx.generate({"prompt_token_ids": prompt_ids}, params, request_id, body.priority)
             )
             if body.stream:
-                primed = await cancel_on_disconnect(prime(generator), raw_request)
+                primed = await cancel_on_disconnect(prime(generator), raw_request, request_id)
                 stream = self._stream(request_id, body, params, primed, len(prompt_ids))
                 handed_over = True
-                return AbortingStreamingResponse(stream, on_close=ticket.release)
+                return AbortingStreamingResponse(stream, request_id, on_close=ticket.release)
             response = await cancel_on_disconnect(
-                self._collect(request_id, params, generator, len(prompt_ids)), raw_request
+                self._collect(request_id, params, generator, len(prompt_ids)), raw_request, request_id
             )
             return JSONResponse(response.model_dump())
         finally:

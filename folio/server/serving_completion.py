@@ -44,7 +44,7 @@ class OpenAIServingCompletion:
         ctx = self.ctx
         ctx.check_model(body.model)
         _reject_unsupported(body)
-        prompts = self._prompts(body)
+        prompts = await self._prompts(body)
         max_tokens = min(ctx.resolve_max_tokens(body.max_tokens, len(ids)) for _, ids in prompts)
         params = ctx.make_sampling_params(lambda: body.to_sampling_params(max_tokens, body.logprobs))
         ticket = ctx.admission.admit([len(ids) for _, ids in prompts], params.n)  # 503 here when full
@@ -57,30 +57,30 @@ class OpenAIServingCompletion:
                 generators.append(ticket.track(i, ctx.generate(prompt, params, f"{request_id}-{i}", body.priority)))
             num_prompt_tokens = sum(len(ids) for _, ids in prompts)
             if body.stream:
-                primed = await cancel_on_disconnect(prime_all(generators), raw_request)
+                primed = await cancel_on_disconnect(prime_all(generators), raw_request, request_id)
                 stream = self._stream(request_id, body, params, primed, num_prompt_tokens)
                 handed_over = True
-                return AbortingStreamingResponse(stream, on_close=ticket.release)
+                return AbortingStreamingResponse(stream, request_id, on_close=ticket.release)
             collect = self._collect(request_id, body, params, generators, num_prompt_tokens)
-            response = await cancel_on_disconnect(collect, raw_request)
+            response = await cancel_on_disconnect(collect, raw_request, request_id)
             return JSONResponse(response.model_dump())
         finally:
             if not handed_over:
                 ticket.release()
 
-    def _prompts(self, body: CompletionRequest) -> list[tuple[str | None, list[int]]]:
+    async def _prompts(self, body: CompletionRequest) -> list[tuple[str | None, list[int]]]:
         """(text, token ids) per prompt; the four OpenAI prompt shapes."""
         prompt: Any = body.prompt
         if isinstance(prompt, str):
-            return [(prompt, self.ctx.encode(prompt))]
+            return [(prompt, await self.ctx.encode(prompt))]
         if not prompt:
             raise bad_request("prompt must not be empty", param="prompt")
         if all(isinstance(p, int) for p in prompt):
             return [(None, list(prompt))]
         result: list[tuple[str | None, list[int]]] = []
-        for p in prompt:
+        for i, p in enumerate(prompt):
             if isinstance(p, str):
-                result.append((p, self.ctx.encode(p)))
+                result.append((p, await self.ctx.encode(p, f"prompt[{i}]")))
             elif not p:
                 raise bad_request("prompt must not contain an empty token list", param="prompt")
             else:

@@ -9,15 +9,18 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel
 from starlette.responses import StreamingResponse
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 T = TypeVar("T")
+
+logger = logging.getLogger("folio")
 
 SSE_DONE = "data: [DONE]\n\n"
 
@@ -33,25 +36,40 @@ class AbortingStreamingResponse(StreamingResponse):
 
     Starlette cancels the send loop when the client disconnects but leaves the generator suspended at its
     ``yield``; closing it here runs its ``finally`` blocks, which close the engine generators (abort). Then
-    ``on_close`` runs (the admission ticket's release), however the response ended.
+    ``on_close`` runs (the admission ticket's release), however the response ended. A stream left unfinished that
+    way is logged as one info line, as a non-streaming request's disconnect is.
     """
 
     def __init__(
-        self, content: AsyncGenerator[str, None], on_close: Callable[[], None] | None = None, **kwargs: Any
+        self,
+        content: AsyncGenerator[str, None],
+        request_id: str,
+        on_close: Callable[[], None] | None = None,
+        **kwargs: Any,
     ) -> None:
         super().__init__(content, media_type="text/event-stream", **kwargs)
         self._generator = content
+        self.request_id = request_id
         self._on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        ended = False
+
+        async def watched_send(message: Message) -> None:
+            nonlocal ended
+            ended = ended or (message["type"] == "http.response.body" and not message.get("more_body", False))
+            await send(message)
+
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, watched_send)
         finally:
             try:
                 await self._generator.aclose()
             finally:
                 if self._on_close is not None:
                     self._on_close()
+        if not ended:  # Starlette stopped the stream because the client went away
+            logger.info("request %s aborted: client disconnected", self.request_id)
 
 
 async def prime(generator: AsyncGenerator[T, None]) -> AsyncGenerator[T, None]:
@@ -133,11 +151,19 @@ async def _wait_for_disconnect(request: Request) -> None:
 
 
 class ClientDisconnected(Exception):
-    """The client went away before the response was ready; the work was cancelled."""
+    """The client went away before the response was ready; the work was cancelled (its engine requests aborted).
+
+    Not an error of the server: errors.py logs it as one info line, "request X aborted: client disconnected".
+    """
+
+    def __init__(self, request_id: str) -> None:
+        super().__init__(f"request {request_id} aborted: client disconnected")
+        self.request_id = request_id
 
 
-async def cancel_on_disconnect(work: Awaitable[T], request: Request) -> T:
-    """Runs ``work`` but cancels it if the client disconnects first (which closes its engine generators).
+async def cancel_on_disconnect(work: Awaitable[T], request: Request, request_id: str) -> T:
+    """Runs ``work`` but cancels it if the client disconnects first (which closes its engine generators), then
+    raises ClientDisconnected naming ``request_id``.
 
     This is vLLM's ``with_cancellation``: a non-streaming request whose client gave up should not keep
     generating to the end.
@@ -154,4 +180,4 @@ async def cancel_on_disconnect(work: Awaitable[T], request: Request) -> T:
     if work_task.done() and not work_task.cancelled():
         return work_task.result()
     await asyncio.gather(work_task, return_exceptions=True)
-    raise ClientDisconnected()
+    raise ClientDisconnected(request_id)

@@ -22,6 +22,9 @@ from tests.engine.conftest import assert_no_leaks
         ({"logprobs": 50}, "logprobs"),
         ({"min_tokens": 10, "max_tokens": 5}, "min_tokens"),
         ({"stop": [""]}, "stop"),
+        ({"temperature": float("inf")}, r"temperature must be in \[0, 2\]"),
+        ({"temperature": 2.5}, r"temperature must be in \[0, 2\]"),
+        ({"seed": 2**70}, "seed must be a signed 64-bit integer"),
     ],
 )
 def test_sampling_params_out_of_range(kwargs: dict[str, object], message: str) -> None:
@@ -40,6 +43,9 @@ def test_engine_rejects_bad_requests_and_keeps_nothing(llm: LLM) -> None:
         ([[5] * 10], SamplingParams(max_tokens=max_len), f"max_tokens {max_len}.*max_model_len {max_len}"),
         (["hi"], SamplingParams(stop_token_ids=[vocab]), "stop_token_ids"),
         (["hi"], SamplingParams(logit_bias={vocab + 1: 1.0}), "logit_bias"),
+        # a lone surrogate makes the tokenizer raise TypeError: the caller's input, so a ValueError naming it
+        (["hi\ud800"], SamplingParams(), "prompt could not be tokenized"),
+        (["hi"], SamplingParams(bad_words=["ok", "\ud800"]), r"bad_words\[1\] could not be tokenized"),
     ]
     for prompts, params, pattern in cases:
         with pytest.raises(ValueError, match=pattern):
