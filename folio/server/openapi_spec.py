@@ -49,6 +49,7 @@ ERROR_DESCRIPTIONS = {
     401: "Missing or wrong `Authorization: Bearer` key (only when the server runs with --api-key).",
     404: "The requested `model` is not served here.",
     413: "The request body is larger than the server accepts (--max-request-body-bytes).",
+    415: "A browser's request (one with an Origin header) whose Content-Type is not application/json.",
     500: "The engine failed or died while serving the request.",
     503: "The server refuses new work: it is full (then with Retry-After), draining, or its engine core is dead.",
 }
@@ -57,8 +58,8 @@ RETRY_AFTER_HEADER = {
     "schema": {"type": "integer", "minimum": 0},
 }
 
-_GENERATION_ERRORS = (400, 401, 404, 413, 500, 503)
-_UTILITY_ERRORS = (400, 401, 404, 413, 503)  # /tokenize, /detokenize: 503 while draining
+_GENERATION_ERRORS = (400, 401, 404, 413, 415, 500, 503)
+_UTILITY_ERRORS = (400, 401, 404, 413, 415, 503)  # /tokenize, /detokenize: 503 while draining
 
 
 def _ref(schema_name: str) -> dict[str, Any]:

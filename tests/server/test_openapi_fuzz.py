@@ -67,7 +67,7 @@ def test_errors_are_documented_as_the_envelope(spec: dict[str, Any]) -> None:
                 assert response["content"] == {"application/json": {"schema": ERROR_REF}}, (method, path, status)
     for path in ("/v1/completions", "/v1/chat/completions"):
         responses = spec["paths"][path]["post"]["responses"]
-        assert set(responses) == {"200", "400", "401", "404", "413", "500", "503"}
+        assert set(responses) == {"200", "400", "401", "404", "413", "415", "500", "503"}
         assert "Retry-After" in responses["503"]["headers"]
         assert set(responses["200"]["content"]) == {"application/json", "text/event-stream"}
 
