@@ -7,12 +7,11 @@ Pure Python: the scheduler reads these fields and must not import torch.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 _GREEDY_EPS = 1e-5
-# OpenAI's documented range, which vLLM checks too; every float field has a closed range, so inf and NaN fail.
-MAX_TEMPERATURE = 2.0
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
@@ -72,9 +71,8 @@ class SamplingParams:
 
     def _validate(self) -> None:
         _check(isinstance(self.n, int) and self.n >= 1, "n", "an integer >= 1", self.n)
-        _check(
-            0.0 <= self.temperature <= MAX_TEMPERATURE, "temperature", f"in [0, {MAX_TEMPERATURE:g}]", self.temperature
-        )
+        # finite: every float field has a closed range, so inf and NaN fail (the OpenAI server bounds it at 2)
+        _check(0.0 <= self.temperature < math.inf, "temperature", "a finite number >= 0", self.temperature)
         _check(0.0 < self.top_p <= 1.0, "top_p", "in (0, 1]", self.top_p)
         _check(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", "0 or -1 (disabled) or >= 1", self.top_k)
         _check(0.0 <= self.min_p <= 1.0, "min_p", "in [0, 1]", self.min_p)

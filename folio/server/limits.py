@@ -6,9 +6,12 @@
 - ``--max-request-body-bytes`` (vLLM has none): 8 MiB. A full 128k-token context is about 0.5 MB of text or 1 MB
   of token ids in JSON, so this leaves room for batched prompts, while it bounds what one request can make the
   server buffer, parse and tokenize (a 10 MB prompt took 12 s of tokenizer time, only to be refused).
+- ``temperature`` at most 2: OpenAI's documented range for its API (``SamplingParams`` itself, as vLLM's, takes any
+  finite temperature >= 0 for offline use).
 """
 
 from __future__ import annotations
 
 DEFAULT_MAX_N_SEQUENCES = 128
 DEFAULT_MAX_REQUEST_BODY_BYTES = 8 * 2**20
+MAX_TEMPERATURE = 2.0

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler
 
 from folio.sampling_params import SamplingParams
 from folio.server.input_hygiene import check_text
+from folio.server.limits import MAX_TEMPERATURE
 
 # A signed 64-bit integer: what the engine, torch and every client language can hold. Both bounds are powers of two
 # so that the OpenAPI document, whose numbers are floats, states them exactly (2**63 - 1 would round up to 2**63).
@@ -74,7 +75,10 @@ class SamplingFields(RequestBody):
     priority: Int64 = 0
 
     def to_sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        """Raises ValueError naming the field when a value is out of range (SamplingParams validates)."""
+        """Raises ValueError naming the field when a value is out of range (SamplingParams validates, plus OpenAI's
+        temperature bound)."""
+        if self.temperature is not None and not 0.0 <= self.temperature <= MAX_TEMPERATURE:
+            raise ValueError(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature!r}")
         return SamplingParams(
             n=self.n,
             temperature=1.0 if self.temperature is None else self.temperature,

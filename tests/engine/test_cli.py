@@ -49,4 +49,4 @@ def test_generate_bad_flag_value() -> None:
         [*folio_command(), "generate", "Hi", "--temperature", "-3"], capture_output=True, text=True, timeout=300
     )
     assert result.returncode == 2
-    assert "temperature must be >= 0" in result.stderr
+    assert "temperature must be a finite number >= 0" in result.stderr
