@@ -12,6 +12,7 @@ from folio.kernels.isa import IsaTier, cpu_info, is_x86_64, resolve_cpu_isa
 
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 SCHEDULING_POLICIES = ("fcfs", "priority")
+PREEMPTION_MODES = ("swap", "recompute")
 # "auto": the checkpoint's architecture. "noop": a stand-in of the same shapes whose forward does no work
 # (folio.model.noop), so a benchmark sees only the engine's own cost: scheduler, inputs, sampler, outputs.
 MODEL_IMPLS = ("auto", "noop")
@@ -25,8 +26,12 @@ class SchedulerConfig:
     policy: str = "fcfs"  # "fcfs" or "priority" (lower value first, then arrival)
     # A prefill chunk of one request may use at most this many tokens of a step's budget (0: no limit).
     long_prefill_token_threshold: int = 0
+    # "swap" (blocks move to the host KV tier and come back) or "recompute"; None: swap when a host tier exists.
+    preemption_mode: str | None = None
 
     def __post_init__(self) -> None:
+        if self.preemption_mode not in (None, *PREEMPTION_MODES):
+            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
         if self.policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.policy!r}")
         if self.max_num_seqs < 1:
@@ -43,10 +48,14 @@ class CacheConfig:
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
+    kv_offloading_size: float = 0.0  # GiB of host memory for the host KV tier (vLLM's name); 0: no host tier
+    num_host_blocks: int = 0  # resolved by the worker from kv_offloading_size and the bytes of one block
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if not self.kv_offloading_size >= 0:  # NaN fails too
+            raise ValueError(f"kv_offloading_size must be >= 0 (GiB), got {self.kv_offloading_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 

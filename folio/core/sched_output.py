@@ -49,6 +49,11 @@ class SchedulerOutput:
     preempted_req_ids: set[str]  # preempted this step: the worker drops them (they come back as new)
     # Copy-on-write plans, executed by the worker before the forward: copy K/V of src block into dst block.
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # Host KV tier plans (core/offload.py). The worker runs them before the forward in this order: every store,
+    # then every load, then block_copies. Stores come first because a device block stored this step (evicted
+    # from the prefix cache, or swapped out) may be the destination of a load or a write in the same step.
+    kv_stores: list[tuple[int, int]] = field(default_factory=list)  # (device block id, host block id): to host
+    kv_loads: list[tuple[int, int]] = field(default_factory=list)  # (host block id, device block id): to device
 
     @staticmethod
     def make_empty() -> SchedulerOutput:
