@@ -4,7 +4,9 @@ The FakeWorker is a stand-in for the real model runner that keeps the contract h
 state only from SchedulerOutput (like the real worker), stores in a fake KV cache the token id of each position
 (standing in for its K/V), applies copy-on-write plans, and before "sampling" reads the whole context back
 through the block table and asserts it equals the request's tokens. A wrong block id, a missed copy, a prefix
-hit on unwritten blocks or an off-by-one in num_computed_tokens fails there. Sampling is a deterministic
+hit on unwritten blocks or an off-by-one in num_computed_tokens fails there. It runs the host tier's plans on its own
+fake host blocks (stores, then loads, then copy-on-write, as the real worker), so a wrong store or load plan
+reads back the wrong tokens there too. Sampling is a deterministic
 function of (request id, context), so a preempted request must resume producing exactly the same tokens.
 """
 
@@ -56,6 +58,8 @@ def make_scheduler(
     policy: str = "fcfs",
     long_prefill_token_threshold: int = 0,
     enable_prefix_caching: bool = True,
+    num_host_blocks: int = 0,
+    preemption_mode: str | None = None,
 ) -> Scheduler:
     config = SchedulerConfig(
         max_num_seqs=max_num_seqs,
@@ -63,8 +67,9 @@ def make_scheduler(
         max_model_len=max_model_len,
         policy=policy,
         long_prefill_token_threshold=long_prefill_token_threshold,
+        preemption_mode=preemption_mode,
     )
-    return Scheduler(config, KVCacheManager(num_blocks, block_size, enable_prefix_caching))
+    return Scheduler(config, KVCacheManager(num_blocks, block_size, enable_prefix_caching, num_host_blocks))
 
 
 @dataclass
@@ -84,9 +89,11 @@ class FakeWorker:
     vocab_size: int = 500
     script: dict[str, list[int]] = field(default_factory=dict)  # req_id -> tokens to sample, in order
     requests: dict[str, _WorkerRequest] = field(default_factory=dict)
+    num_host_blocks: int = 0
 
     def __post_init__(self) -> None:
         self.kv: list[list[int | None]] = [[None] * self.block_size for _ in range(self.num_blocks)]
+        self.host_kv: list[list[int | None]] = [[None] * self.block_size for _ in range(self.num_host_blocks)]
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         for req_id in so.finished_req_ids | so.preempted_req_ids:
@@ -104,6 +111,10 @@ class FakeWorker:
             for index, block_id in cached.replaced_block_ids[i]:
                 state.block_ids[index] = block_id
             state.block_ids.extend(cached.new_block_ids[i])
+        for device_block_id, host_block_id in so.kv_stores:
+            self.host_kv[host_block_id] = list(self.kv[device_block_id])
+        for host_block_id, device_block_id in so.kv_loads:
+            self.kv[device_block_id] = list(self.host_kv[host_block_id])
         for src, dst in so.block_copies:
             self.kv[dst] = list(self.kv[src])
         assert so.total_num_scheduled_tokens == sum(so.num_scheduled_tokens.values())
@@ -141,7 +152,13 @@ class FakeWorker:
 
 def make_worker(scheduler: Scheduler, **kwargs: object) -> FakeWorker:
     manager = scheduler.kv_cache_manager
-    return FakeWorker(manager.num_blocks, manager.block_size, **kwargs)  # type: ignore[arg-type]
+    num_host_blocks = manager.host_tier.num_blocks if manager.host_tier is not None else 0
+    return FakeWorker(
+        manager.num_blocks,
+        manager.block_size,
+        num_host_blocks=num_host_blocks,
+        **kwargs,  # type: ignore[arg-type]
+    )
 
 
 @dataclass

@@ -11,7 +11,7 @@ and never reads them.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 
@@ -100,6 +100,9 @@ class BlockPool:
         self.free_block_queue = FreeBlockQueue(self.blocks)
         # One block per hash: when two blocks hold the same tokens, the first one cached is the one hits find.
         self.cached_block_hash_to_block: dict[int, KVCacheBlock] = {}
+        # Called as (block id, block hash) when a cached block is about to be reused: its K/V are still intact
+        # until the step's forward, so a lower tier can plan to save them (core/offload.py). None: dropped.
+        self.on_evict: Callable[[int, int], None] | None = None
 
     def get_num_free_blocks(self) -> int:
         """Free blocks, including free blocks that still hold cached K/V (they are evictable)."""
@@ -131,6 +134,8 @@ class BlockPool:
             return
         if self.cached_block_hash_to_block.get(block.block_hash) is block:
             del self.cached_block_hash_to_block[block.block_hash]
+            if self.on_evict is not None:
+                self.on_evict(block.block_id, block.block_hash)
         block.block_hash = None
 
     def get_cached_block(self, block_hash: int) -> KVCacheBlock | None:

@@ -10,6 +10,10 @@ Blocks enter the prefix cache only after the forward that computed them (``cache
 ``Scheduler.update_from_output``): a block whose K/V were not written yet must never be found by a hit, not by a
 request in the same step (the order of writes and reads within a step is the backend's business) and not after
 its owner is preempted before its step ran.
+
+With a host tier (``num_host_blocks`` > 0, core/offload.py) a cached device block about to be reused is stored
+there first, ``get_computed_blocks`` continues the chain there (the hits are loaded into fresh device blocks), and
+``swap_out`` moves a preempted request's blocks there; ``take_kv_plans`` hands the step's copies to the scheduler.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from folio.core.block_pool import BlockPool, KVCacheBlock
+from folio.core.offload import HostKVTier
 from folio.request import Request
 
 
@@ -38,7 +43,9 @@ class AllocationResult:
 class KVCacheManager:
     """Maps request ids to their ordered KV block lists and keeps prefix-cache statistics (in tokens)."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, num_host_blocks: int = 0
+    ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
@@ -50,6 +57,13 @@ class KVCacheManager:
         self.prefix_cache_queries = 0  # tokens looked up (request.num_tokens per get_computed_blocks call)
         self.prefix_cache_hits = 0  # of which found in the cache
         self.num_cow_copies = 0  # blocks copied before a write because another request shared them
+        if num_host_blocks < 0:
+            raise ValueError(f"num_host_blocks must be >= 0, got {num_host_blocks}")
+        self.host_tier = HostKVTier(num_host_blocks) if num_host_blocks > 0 else None
+        if self.host_tier is not None and enable_prefix_caching:
+            self.block_pool.on_evict = self.host_tier.store_evicted
+        # (request id, host blocks) found by the last get_computed_blocks, for the allocate_slots that follows it.
+        self._host_hits: tuple[str, list[KVCacheBlock]] | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -78,7 +92,13 @@ class KVCacheManager:
         Capped so that at least one token is recomputed (the model needs the last position's logits):
         hit tokens <= num_tokens - 1, in whole blocks. Example (block_size 4): 8 tokens with both blocks cached ->
         1 block, 4 tokens. Changes no ref count (``allocate_slots`` takes the references); counts the query.
+        The host tier continues the chain after the device blocks: those hits count in the tokens (not in the
+        blocks) and ``allocate_slots`` loads them. A swapped-out request gets ([], its num_computed_tokens).
         """
+        self._host_hits = None
+        swapped = self.host_tier.num_swapped_blocks(request.request_id) if self.host_tier is not None else None
+        if swapped is not None:
+            return [], request.num_computed_tokens
         if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
             return [], 0  # prompt logprobs need every prompt position computed (vLLM skips the cache too)
         max_num_blocks = (request.num_tokens - 1) // self.block_size
@@ -91,6 +111,11 @@ class KVCacheManager:
         num_computed_tokens = len(computed_blocks) * self.block_size
         self.prefix_cache_queries += request.num_tokens
         self.prefix_cache_hits += num_computed_tokens
+        if self.host_tier is not None:
+            host_hits = self.host_tier.find_chain(request.block_hashes[len(computed_blocks) : max_num_blocks])
+            self.host_tier.record_query(request.num_tokens - num_computed_tokens, len(host_hits) * self.block_size)
+            self._host_hits = (request.request_id, host_hits)
+            num_computed_tokens += len(host_hits) * self.block_size
         return computed_blocks, num_computed_tokens
 
     def allocate_slots(
@@ -108,10 +133,17 @@ class KVCacheManager:
         reviving them takes them out of the free queue.
         Returns None and changes nothing if that many blocks are not free. Otherwise takes a reference on the hit
         blocks, applies copy-on-write (fresh blocks taken first for copies, then for the tail) and returns the diff.
+        Host tier: the first fresh blocks receive the loads of the host hits of the preceding
+        ``get_computed_blocks`` (its tokens beyond ``new_computed_blocks``) or of a swapped-out request's blocks.
         """
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
         req_id = request.request_id
+        host_hits, self._host_hits = self._host_hits, None
+        num_host_hit_tokens = num_new_computed_tokens - len(new_computed_blocks) * self.block_size
+        if num_host_hit_tokens > 0 and (host_hits is None or host_hits[0] != req_id):
+            raise ValueError(f"{num_host_hit_tokens} computed tokens of {req_id} beyond its blocks, without host hits")
+        loaded = host_hits[1][: num_host_hit_tokens // self.block_size] if host_hits and num_host_hit_tokens else []
         req_blocks = self.req_to_blocks.get(req_id, [])
         if new_computed_blocks and req_blocks:
             raise ValueError(f"prefix hits for {req_id}, which already holds blocks")
@@ -124,6 +156,8 @@ class KVCacheManager:
             return None
 
         self.block_pool.touch(new_computed_blocks)
+        if self.host_tier is not None:
+            self.host_tier.pin(loaded)  # before taking device blocks: their eviction stores must not reuse them
         result = AllocationResult()
         for index in cow_indices:
             old_block = req_blocks[index]
@@ -133,13 +167,25 @@ class KVCacheManager:
             result.block_copies.append((old_block.block_id, new_block.block_id))
             self.num_cow_copies += 1
             result.replaced_block_ids.append((index, new_block.block_id))
-        appended = [*new_computed_blocks, *self.block_pool.get_new_blocks(num_fresh_blocks)]
+        fresh_blocks = self.block_pool.get_new_blocks(num_fresh_blocks)
+        appended = [*new_computed_blocks, *fresh_blocks]
         req_blocks.extend(appended)
+        self._plan_loads(req_id, loaded, [block.block_id for block in fresh_blocks])
         result.new_block_ids = [block.block_id for block in appended]
         self.req_to_blocks[req_id] = req_blocks
         # Prefix hits are cached already: the cache bookkeeping starts after them.
         self._num_cached_blocks[req_id] = self._num_cached_blocks.get(req_id, 0) + len(new_computed_blocks)
         return result
+
+    def _plan_loads(self, req_id: str, host_hits: list[KVCacheBlock], fresh_block_ids: list[int]) -> None:
+        """Host hits, or a swapped request's blocks, are loaded into the first fresh device blocks."""
+        if self.host_tier is None:
+            return
+        if host_hits:
+            self.host_tier.load_hits(host_hits, fresh_block_ids[: len(host_hits)])
+        num_swapped = self.host_tier.num_swapped_blocks(req_id)
+        if num_swapped is not None:
+            self.host_tier.swap_in(req_id, fresh_block_ids[:num_swapped])
 
     def _shared_blocks_to_write(self, req_blocks: list[KVCacheBlock], start: int, num_tokens: int) -> list[int]:
         """Indices of the request's existing blocks that positions start .. start + num_tokens - 1 write and that
@@ -178,10 +224,41 @@ class KVCacheManager:
         The head (a shared prompt prefix, e.g. a system prompt) is the part most likely to be hit again.
         No-op for a request holding no blocks.
         """
+        self._free_device_blocks(request)
+        if self.host_tier is not None:
+            self.host_tier.free_swapped(request.request_id)
+
+    def _free_device_blocks(self, request: Request) -> None:
         self._num_cached_blocks.pop(request.request_id, None)
         req_blocks = self.req_to_blocks.pop(request.request_id, None)
         if req_blocks:
             self.block_pool.free_blocks(reversed(req_blocks))
+
+    def swap_out(self, request: Request) -> bool:
+        """Move the request's computed blocks (a partial last one included) to the host tier and free its device
+        blocks; num_computed_tokens stays. False (nothing changed) without a host tier, with nothing computed,
+        or when the host tier cannot take every block: the caller recomputes instead."""
+        num_blocks = cdiv(request.num_computed_tokens, self.block_size)
+        if self.host_tier is None or num_blocks == 0:
+            return False
+        req_blocks = self.req_to_blocks.get(request.request_id, [])
+        num_full_blocks = request.num_computed_tokens // self.block_size if self.enable_prefix_caching else 0
+        hashes = request.block_hashes[:num_full_blocks]
+        block_hashes: list[int | None] = [*hashes, *[None] * (num_blocks - len(hashes))]
+        block_ids = [block.block_id for block in req_blocks[:num_blocks]]
+        if not self.host_tier.swap_out(request.request_id, block_ids, block_hashes):
+            return False
+        self._free_device_blocks(request)
+        return True
+
+    def is_swapped_out(self, request_id: str) -> bool:
+        return self.host_tier is not None and self.host_tier.num_swapped_blocks(request_id) is not None
+
+    def take_kv_plans(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The (stores, loads) planned since the last call, for this step's SchedulerOutput; unpins the loads."""
+        if self.host_tier is None:
+            return [], []
+        return self.host_tier.take_plans()
 
     def fork(self, parent_request_id: str, child_request: Request) -> None:
         """Share the parent's blocks covering the (common) prompt with ``child_request`` (ref_count += 1 each).
@@ -202,8 +279,12 @@ class KVCacheManager:
         self._num_cached_blocks[child_id] = min(self._num_cached_blocks.get(parent_request_id, 0), num_prompt_blocks)
 
     def reset_prefix_cache(self) -> bool:
-        """Forget all cached prefixes; only possible while no block is in use. Returns success."""
-        return self.block_pool.reset_prefix_cache()
+        """Forget all cached prefixes, in both tiers; only possible while no block is in use. Returns success."""
+        if self.host_tier is not None and self.host_tier.usage > 0:
+            return False
+        if not self.block_pool.reset_prefix_cache():
+            return False
+        return self.host_tier is None or self.host_tier.reset_prefix_cache()
 
     def find_leaks(self) -> list[str]:
         """Problems that mean blocks leaked; empty once every request ended: all blocks free, every ref_count 0."""
@@ -215,6 +296,8 @@ class KVCacheManager:
         referenced = [(block.block_id, block.ref_count) for block in self.block_pool.blocks if block.ref_count != 0]
         if referenced:
             problems.append(f"(block id, ref_count) not 0: {referenced}")
+        if self.host_tier is not None:
+            problems.extend(f"host tier: {problem}" for problem in self.host_tier.find_leaks())
         return problems
 
     def assert_no_leaks(self) -> None:

@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 from folio.config import SchedulerConfig
 from folio.core.block_hash import update_request_block_hashes
 from folio.core.fork_waitlist import ForkWaitlist
 from folio.core.kv_cache_manager import AllocationResult, KVCacheManager
+from folio.core.preemption import PreemptionStrategy
 from folio.core.prompt_logprobs import undelivered_prompt_logprobs
 from folio.core.request_queue import create_request_queue
 from folio.core.sched_output import (
@@ -36,26 +36,12 @@ from folio.core.sched_output import (
     NewRequestData,
     SchedulerOutput,
 )
+from folio.core.sched_stats import SchedulerStats
 from folio.core.step_plan import StepPlan
 from folio.core.stop import check_stop
 from folio.request import Request, RequestStatus
 
-
-@dataclass
-class SchedulerStats:
-    """A snapshot for metrics."""
-
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    prefix_cache_queries: int  # tokens
-    prefix_cache_hits: int  # tokens
-    num_preemptions_total: int
-    # KV occupancy: tokens whose K/V the running requests hold (a shared prefix counts once per request), and the
-    # slots of every block in use (block_size x blocks with ref_count >= 1). live / held is the fraction of the
-    # allocated KV memory that holds live tokens; paging keeps it near 1, a max-length allocation would not.
-    num_kv_live_tokens: int = 0
-    num_kv_held_slots: int = 0
+__all__ = ["Scheduler", "SchedulerStats"]
 
 
 def _remove_by_identity(requests: list[Request], request: Request) -> None:
@@ -83,6 +69,7 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()  # since the last schedule(), for the worker to drop
         self._worker_req_ids: set[str] = set()  # requests the worker holds (sent as NewRequestData, not dropped)
         self.num_preemptions_total = 0
+        self.preemption = PreemptionStrategy(scheduler_config.preemption_mode, kv_cache_manager)
 
     # ---------------------------------------------------------------- requests in and out
 
@@ -187,15 +174,14 @@ class Scheduler:
                 return None
 
     def _preempt(self, request: Request, plan: StepPlan) -> None:
-        """Preempt by recompute: free the blocks, forget the computed tokens, keep the outputs, wait again.
+        """Preempt: swap the blocks out or free them (``PreemptionStrategy``), keep the outputs, wait again.
 
         It resumes as a NewRequestData carrying its output tokens so far, and continues exactly where it stopped.
         """
         _remove_by_identity(self.running, request)
         plan.remove(request.request_id)
-        self.kv_cache_manager.free(request)
+        self.preemption.release_blocks(request)
         request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions_total += 1
         self._worker_req_ids.discard(request.request_id)
@@ -209,9 +195,11 @@ class Scheduler:
             len(self.waiting) > 0 and plan.token_budget > 0 and len(self.running) < self.scheduler_config.max_num_seqs
         ):
             request = self.waiting.peek()
+            # num_hit_tokens: prefix hits (both tiers), or a swapped-out request's kept num_computed_tokens.
             computed_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
             num_new_tokens = self._num_tokens_to_schedule(request, num_hit_tokens, plan.token_budget)
-            allocation = self.kv_cache_manager.allocate_slots(request, num_new_tokens, computed_blocks, num_hit_tokens)
+            num_new_hits = num_hit_tokens - request.num_computed_tokens
+            allocation = self.kv_cache_manager.allocate_slots(request, num_new_tokens, computed_blocks, num_new_hits)
             if allocation is None:
                 break
             self.waiting.pop()
@@ -250,6 +238,7 @@ class Scheduler:
                 )
                 self._worker_req_ids.add(req_id)
             request.num_computed_tokens += plan.num_scheduled_tokens[req_id]
+        kv_stores, kv_loads = self.kv_cache_manager.take_kv_plans()
         output = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached_reqs,
@@ -258,6 +247,8 @@ class Scheduler:
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids=set(plan.preempted_req_ids),
             block_copies=block_copies,
+            kv_stores=kv_stores,
+            kv_loads=kv_loads,
         )
         self.finished_req_ids = set()
         return output
@@ -370,6 +361,7 @@ class Scheduler:
         return self.kv_cache_manager.usage
 
     def get_stats(self) -> SchedulerStats:
+        host = self.kv_cache_manager.host_tier
         return SchedulerStats(
             num_running=self.num_running,
             num_waiting=self.num_waiting,
@@ -379,6 +371,12 @@ class Scheduler:
             num_preemptions_total=self.num_preemptions_total,
             num_kv_live_tokens=sum(request.num_computed_tokens for request in self.running),
             num_kv_held_slots=self.kv_cache_manager.num_used_blocks * self.kv_cache_manager.block_size,
+            kv_offload_blocks_to_cpu_total=host.num_blocks_to_cpu_total if host else 0,
+            kv_offload_blocks_to_device_total=host.num_blocks_to_device_total if host else 0,
+            kv_offload_cpu_usage=host.usage if host else 0.0,
+            external_prefix_cache_queries=host.external_prefix_cache_queries if host else 0,
+            external_prefix_cache_hits=host.external_prefix_cache_hits if host else 0,
+            num_swapped_preemptions_total=self.preemption.num_swapped_preemptions_total,
         )
 
 

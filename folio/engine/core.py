@@ -21,7 +21,9 @@ class EngineCore:
                 f"the KV cache holds {cache.num_blocks * cache.block_size} tokens, fewer than max_model_len "
                 f"{config.scheduler_config.max_model_len}: raise kv_cache_memory_bytes or lower max_model_len"
             )
-        self.kv_cache_manager = KVCacheManager(cache.num_blocks, cache.block_size, cache.enable_prefix_caching)
+        self.kv_cache_manager = KVCacheManager(
+            cache.num_blocks, cache.block_size, cache.enable_prefix_caching, num_host_blocks=cache.num_host_blocks
+        )
         self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager)
         self.step_timer: StepTimer | None = None  # set only by profiling benchmarks (folio.step_timer)
 

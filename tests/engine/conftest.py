@@ -85,6 +85,7 @@ def assert_no_leaks(llm: LLM) -> None:
     assert pool.get_num_free_blocks() == pool.num_blocks, "KV blocks leaked"
     assert all(block.ref_count == 0 for block in pool.blocks), "a KV block still has references"
     assert not manager.req_to_blocks, f"block lists left for {list(manager.req_to_blocks)}"
+    assert manager.find_leaks() == [], manager.find_leaks()  # the host tier's blocks too
 
 
 def clone_params(params: Any, **changes: Any) -> Any:
