@@ -4,6 +4,9 @@ Who holds a block, by the design (block_pool.py's docstring): every request whos
 request. The prefix-cache map holds no reference: a cached block may be free (ref_count 0, in the free queue) and
 stays findable until ``get_new_blocks`` reuses it. So ref_count == number of holding requests, exactly, and "free"
 means "in the free queue" whether or not the block still carries a hash.
+
+The host tier (core/offload.py) is a second BlockPool with the same invariants; between steps its holders are
+exactly the swapped-out requests (one reference per block each; the pins of a step's loads end with schedule()).
 """
 
 from __future__ import annotations
@@ -62,11 +65,36 @@ def check_ref_counts(manager: KVCacheManager) -> None:
         )
 
 
+def check_host_tier(scheduler: Scheduler) -> None:
+    """Host pool sound; ref_count = number of swapped requests holding the block; no pin or plan left between
+    steps; each swapped request is waiting, holds cdiv(num_computed_tokens, block_size) host blocks, and a hashed
+    host block at index i carries the request's hash i."""
+    manager = scheduler.kv_cache_manager
+    host = manager.host_tier
+    if host is None:
+        return
+    check_block_pool(host.pool)
+    assert host.take_plans() == ([], []), "plans left between steps"
+    holders: Counter[int] = Counter()
+    for req_id, blocks in host.swapped.items():
+        request = scheduler.requests[req_id]
+        assert request.status == RequestStatus.PREEMPTED and req_id not in manager.req_to_blocks, req_id
+        assert len(blocks) == cdiv(request.num_computed_tokens, manager.block_size) > 0, req_id
+        for index, block in enumerate(blocks):
+            assert block is host.pool.blocks[block.block_id], f"{req_id} holds a foreign host block"
+            holders[block.block_id] += 1
+            if block.block_hash is not None:
+                assert block.block_hash == request.block_hashes[index], f"{req_id} host block {index} hash"
+    for block in host.pool.blocks:
+        assert block.ref_count == holders[block.block_id], f"host block {block.block_id}: {block.ref_count} refs"
+
+
 def check_scheduler(scheduler: Scheduler) -> None:
     """Queues, statuses, token counts and block lists of every unfinished request agree with each other."""
     manager = scheduler.kv_cache_manager
     check_block_pool(manager.block_pool)
     check_ref_counts(manager)
+    check_host_tier(scheduler)
     config = scheduler.scheduler_config
     block_size = manager.block_size
     running_ids = [request.request_id for request in scheduler.running]
@@ -99,7 +127,8 @@ def check_scheduler(scheduler: Scheduler) -> None:
             _check_hashes_of_held_blocks(scheduler, req_id)
         else:
             assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), f"{req_id} {request.status}"
-            assert request.num_computed_tokens == 0, f"waiting {req_id} has computed tokens"
+            swapped = manager.is_swapped_out(req_id)
+            assert (request.num_computed_tokens > 0) == swapped, f"waiting {req_id} has computed tokens"
         if req_id in fork_waiting:
             assert request.fork_of is not None and request.status == RequestStatus.WAITING
 

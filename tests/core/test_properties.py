@@ -1,10 +1,11 @@
 """Property tests of the real Scheduler + KVCacheManager + BlockPool + waiting queues (hypothesis, stateful).
 
 Random configurations (block counts and sizes, budgets, max_num_seqs, long-prefill chunking, prefix caching,
-policy) are driven through random sequences of: add requests (shared prefixes, n > 1 families, EOS / stop
-tokens, min_tokens, prompt logprobs, priorities), steps (schedule -> FakeWorker -> update_from_output, sometimes
-with an abort landing between schedule and update), aborts, stop-string finishes from outside and prefix-cache
-resets. Few blocks make the scheduler preempt by itself (there is no public preemption API).
+policy, a host KV tier and preemption mode) are driven through random sequences of: add requests (shared
+prefixes, n > 1 families, EOS / stop tokens, min_tokens, prompt logprobs, priorities), steps (schedule ->
+FakeWorker -> update_from_output, sometimes with an abort landing between schedule and update), aborts,
+stop-string finishes from outside and prefix-cache resets. Few blocks make the scheduler preempt by itself
+(there is no public preemption API).
 After every rule, ``kv_invariants.check_scheduler`` checks the whole state (ref counts = holders, free + used =
 total, free queue sound, ...). At the end everything is aborted or run to completion (liveness: within a bound),
 then every block must be free, the worker must hold nothing, and every request that finished by itself must have
@@ -115,6 +116,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         long_prefill_token_threshold=st.sampled_from([0, 0, 1, 3, 8]),
         policy=st.sampled_from(["fcfs", "priority"]),
         enable_prefix_caching=st.booleans(),
+        num_host_blocks=st.sampled_from([0, 0, 1, 3, 8]),
+        preemption_mode=st.sampled_from([None, None, "recompute"]),
         end_by_abort=st.booleans(),
         initial_requests=st.lists(REQUEST_SPECS, min_size=1, max_size=6),
     )
@@ -128,6 +131,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         long_prefill_token_threshold: int,
         policy: str,
         enable_prefix_caching: bool,
+        num_host_blocks: int,
+        preemption_mode: str | None,
         end_by_abort: bool,
         initial_requests: list[RequestSpec],
     ) -> None:
@@ -142,6 +147,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             policy=policy,
             long_prefill_token_threshold=long_prefill_token_threshold,
             enable_prefix_caching=enable_prefix_caching,
+            num_host_blocks=num_host_blocks,
+            preemption_mode=preemption_mode,
         )
         self.worker = make_worker(self.scheduler)
         self.end_by_abort = end_by_abort
@@ -220,7 +227,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule()
     def reset_prefix_cache(self) -> None:
         manager = self.sched.kv_cache_manager
-        all_free = manager.num_used_blocks == 0
+        all_free = manager.num_used_blocks == 0 and (manager.host_tier is None or manager.host_tier.usage == 0)
         assert manager.reset_prefix_cache() == all_free
         if all_free:
             assert not manager.block_pool.cached_block_hash_to_block
@@ -305,6 +312,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         event(f"preemptions: {num_preemptions if num_preemptions < 3 else '3+'}")
         event(f"copy-on-write copies: {manager.num_cow_copies > 0}")
         event(f"prefix-cache hits: {manager.prefix_cache_hits > 0}")
+        event(f"swapped preemptions: {self.sched.preemption.num_swapped_preemptions_total > 0}")
+        host = manager.host_tier
+        event(f"host tier loads: {host is not None and host.num_blocks_to_device_total > 0}")
         event(f"max ref_count: {self.max_ref_count if self.max_ref_count < 3 else '3+'}")
         for reason in sorted({str(expected.finish_reason) for expected in self.expected.values()}):
             event(f"finish reason seen: {reason}")
