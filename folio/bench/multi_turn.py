@@ -213,6 +213,9 @@ def cmd_multi_turn(ns: argparse.Namespace) -> int:
         f"{base.preemption_mode} {base.recomputed_tokens}"
     )
     print(f"Greedy outputs identical: {'yes' if identical else 'NO'} ({num_turns} turns)")
+    moved = tier.counters["kv_offload_blocks_to_cpu_total"] + tier.counters["kv_offload_blocks_to_device_total"]
+    if moved == 0:
+        print("Note: the host tier moved no block in this run: both runs did the same work, any ratio is noise")
     result = {
         "without": _summary(base),
         "with": _summary(tier),
