@@ -8,7 +8,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import fields
 
-from folio.config import MODEL_IMPLS, SCHEDULING_POLICIES, SUPPORTED_DTYPES, EngineArgs
+from folio.config import MODEL_IMPLS, PREEMPTION_MODES, SCHEDULING_POLICIES, SUPPORTED_DTYPES, EngineArgs
 from folio.kernels.isa import CPU_ISA_CHOICES, cpu_info, is_x86_64, library_isa_env, resolve_cpu_isa
 from folio.logger import init_logger
 from folio.server.limits import DEFAULT_MAX_N_SEQUENCES, DEFAULT_MAX_REQUEST_BODY_BYTES
@@ -56,6 +56,23 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=d.scheduling_policy,
         choices=SCHEDULING_POLICIES,
         help="fcfs: first come first served; priority: lower 'priority' value first, then arrival (default fcfs)",
+    )
+    g.add_argument(
+        "--kv-offloading-size",
+        type=float,
+        default=d.kv_offloading_size,
+        metavar="GIB",
+        help="GiB of host memory for a second KV tier under the device's KV cache: evicted prefix blocks and "
+        "swapped-out requests move there instead of being recomputed (pinned memory on CUDA; must fit the RAM "
+        "available; default 0: no host tier)",
+    )
+    g.add_argument(
+        "--preemption-mode",
+        default=d.preemption_mode,
+        choices=PREEMPTION_MODES,
+        help="when the KV cache runs out, swap: move the preempted request's blocks to the host tier and load them "
+        "back on resume (needs --kv-offloading-size); recompute: free them and compute them again (default: swap "
+        "when a host tier exists, else recompute)",
     )
     g.add_argument("--device", default=d.device, help="auto, cpu, cuda or cuda:N")
     g.add_argument(

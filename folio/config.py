@@ -127,6 +127,8 @@ class EngineArgs:
     max_num_batched_tokens: int | None = None
     scheduling_policy: str = "fcfs"
     long_prefill_token_threshold: int = 0
+    kv_offloading_size: float = 0.0  # GiB of host memory for the host KV tier (vLLM's name); 0: off
+    preemption_mode: str | None = None  # "swap" or "recompute"; None: swap when a host tier exists
     device: str = "auto"
     model_impl: str = "auto"  # "noop": engine-overhead benchmarks only (constant logits, no weights loaded)
     enforce_eager: bool = False  # layer by layer: no CUDA graphs on CUDA, no fused decoder on the CPU
@@ -144,6 +146,8 @@ class EngineArgs:
         if max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
         max_num_batched_tokens = self.max_num_batched_tokens or 2048
+        if self.preemption_mode == "swap" and self.kv_offloading_size == 0:
+            raise ValueError("preemption_mode 'swap' needs a host KV tier: set kv_offloading_size (GiB) > 0")
         return EngineConfig(
             model_config=ModelConfig(
                 model=model_path,
@@ -160,6 +164,7 @@ class EngineArgs:
                 kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                 gpu_memory_utilization=self.gpu_memory_utilization,
                 num_gpu_blocks_override=self.num_gpu_blocks_override,
+                kv_offloading_size=self.kv_offloading_size,
             ),
             scheduler_config=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,
@@ -167,6 +172,7 @@ class EngineArgs:
                 max_model_len=max_model_len,
                 policy=self.scheduling_policy,
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
+                preemption_mode=self.preemption_mode,
             ),
             device=self.device,
             cpu_config=CpuConfig(

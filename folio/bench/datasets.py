@@ -10,6 +10,9 @@ input: no tokenizer round trip can change a prompt's length. A seed fixes the wh
   prompts (round robin), followed by a unique random suffix; shuffled so shared prefixes interleave.
 - ``custom``: a JSONL file, one ``{"prompt": str | [ids], "output_len"?: int}`` per line (text needs a tokenizer).
 - ``w1``: the W1 JSON of ../shared/workloads (``prompts[i].ids``), 128 new tokens each unless told otherwise.
+- ``multi_turn``: chat conversations whose every turn's prompt is the whole history (a shared system prompt, each
+  earlier user message and reply) plus a new user message (issue 18's KV-tier workload). A turn needs the previous
+  turn's output, so it runs only in `folio bench throughput`, in waves (folio/bench/multi_turn.py).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-DATASET_NAMES = ("random", "prefix_repetition", "custom", "w1")
+DATASET_NAMES = ("random", "prefix_repetition", "custom", "w1", "multi_turn")
 # /work/main/folio/bench/datasets.py -> parents[3] = /work; the workloads live in /work/shared/workloads.
 DEFAULT_W1_PATH = Path(__file__).resolve().parents[3] / "shared" / "workloads" / "w1_prompts.json"
 
@@ -138,6 +141,72 @@ def load_w1(path: str, num_prompts: int, output_len: int) -> list[SampleRequest]
     return [SampleRequest(list(p["ids"]), output_len) for p in data["prompts"][:num_prompts]]
 
 
+@dataclass(frozen=True)
+class MultiTurnWorkload:
+    """Conversations of token ids: ``user_turns[c][t]`` is conversation c's user message of turn t."""
+
+    system_prompt: list[int]
+    user_turns: list[list[list[int]]]
+    output_len: int
+
+    @property
+    def num_turns(self) -> int:
+        return len(self.user_turns[0])
+
+    def turn_prompt(self, conversation: int, turn: int, replies: list[list[int]]) -> list[int]:
+        """Turn ``turn``'s prompt: the system prompt, then each earlier user message and its reply (``replies``,
+        one per earlier turn), then this turn's user message."""
+        if len(replies) != turn:
+            raise ValueError(f"turn {turn} needs the {turn} earlier replies, got {len(replies)}")
+        ids = list(self.system_prompt)
+        for user, reply in zip(self.user_turns[conversation][:turn], replies, strict=True):
+            ids += user + reply
+        return ids + self.user_turns[conversation][turn]
+
+    def working_set_tokens(self) -> int:
+        """Distinct tokens whose K/V the whole workload holds at its end: the system prompt once, and every
+        conversation's user messages and replies (the final turn's reply included)."""
+        per_conversation = self.num_turns * (len(self.user_turns[0][0]) + self.output_len)
+        return len(self.system_prompt) + len(self.user_turns) * per_conversation
+
+
+def sample_multi_turn(
+    num_conversations: int,
+    num_turns: int,
+    system_len: int,
+    user_len: int,
+    output_len: int,
+    vocab_size: int,
+    seed: int,
+    special_ids: Collection[int] = (),
+) -> MultiTurnWorkload:
+    """Random token ids (seeded): one system prompt shared by every conversation, a fresh user message per turn."""
+    if min(num_conversations, num_turns, user_len, output_len) < 1 or system_len < 0:
+        raise ValueError(
+            "multi_turn needs >= 1 conversation, turn, user token and output token, and a system length >= 0"
+        )
+    rng = np.random.default_rng(seed)
+    pool = _token_pool(vocab_size, special_ids)
+    system = rng.choice(pool, size=system_len).tolist()
+    turns = [[rng.choice(pool, size=user_len).tolist() for _ in range(num_turns)] for _ in range(num_conversations)]
+    return MultiTurnWorkload(system, turns, output_len)
+
+
+def multi_turn_from_args(
+    ns: argparse.Namespace, vocab_size: int, special_ids: Collection[int] = ()
+) -> MultiTurnWorkload:
+    return sample_multi_turn(
+        ns.multi_turn_num_conversations,
+        ns.multi_turn_num_turns,
+        ns.multi_turn_system_len,
+        ns.multi_turn_user_len,
+        ns.multi_turn_output_len,
+        vocab_size,
+        ns.seed,
+        special_ids,
+    )
+
+
 def add_dataset_args(parser: argparse.ArgumentParser, add_seed: bool = True) -> None:
     """Dataset flags with vLLM's names. ``add_seed=False`` where the engine flags already define ``--seed``."""
     g = parser.add_argument_group("dataset")
@@ -172,6 +241,19 @@ def add_dataset_args(parser: argparse.ArgumentParser, add_seed: bool = True) -> 
         "--custom-output-len", type=int, default=256, help="custom: output length of lines without 'output_len'"
     )
     g.add_argument("--w1-output-len", type=int, default=128, help="w1: tokens to generate per prompt (default 128)")
+    g.add_argument(
+        "--multi-turn-num-conversations", type=int, default=32, help="multi_turn: conversations (default 32)"
+    )
+    g.add_argument("--multi-turn-num-turns", type=int, default=4, help="multi_turn: turns each (default 4)")
+    g.add_argument(
+        "--multi-turn-system-len", type=int, default=512, help="multi_turn: shared system prompt tokens (default 512)"
+    )
+    g.add_argument(
+        "--multi-turn-user-len", type=int, default=256, help="multi_turn: new user tokens per turn (default 256)"
+    )
+    g.add_argument(
+        "--multi-turn-output-len", type=int, default=64, help="multi_turn: tokens generated per turn (default 64)"
+    )
 
 
 def requests_from_args(
@@ -201,6 +283,11 @@ def requests_from_args(
             vocab_size,
             ns.seed,
             special_ids,
+        )
+    if ns.dataset_name == "multi_turn":
+        raise ValueError(
+            "--dataset-name multi_turn runs only in `folio bench throughput`: a turn is sent after the previous "
+            "turn's output exists, which a flat request set cannot express"
         )
     if ns.dataset_name == "custom":
         if ns.dataset_path is None:

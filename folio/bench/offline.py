@@ -52,10 +52,24 @@ def _write_json(path: str | None, result: dict[str, Any]) -> None:
 def add_throughput_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-json", default=None, metavar="PATH", help="write the result as JSON to PATH")
     parser.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--compare-offloading",
+        action="store_true",
+        help="multi_turn: run the workload twice, without and with the host KV tier of --kv-offloading-size (the "
+        "other engine flags the same); print both, their ratio, the tokens recomputed after preemption in each, and "
+        "whether the greedy outputs were identical (exit 1 if not)",
+    )
 
 
 def cmd_bench_throughput(ns: argparse.Namespace) -> int:
-    """Generates the whole request set in one `LLM.generate` call; the clock covers only that call."""
+    """Generates the whole request set in one `LLM.generate` call; the clock covers only that call. multi_turn runs
+    in waves instead (folio/bench/multi_turn.py)."""
+    if ns.dataset_name == "multi_turn":
+        from folio.bench.multi_turn import cmd_multi_turn
+
+        return cmd_multi_turn(ns)
+    if ns.compare_offloading:
+        raise ValueError("--compare-offloading runs only with --dataset-name multi_turn")
     llm = _make_llm(ns)
     tokenizer = llm.get_tokenizer()
     requests = requests_from_args(

@@ -45,6 +45,7 @@ class AsyncLLM:
             self.core.shutdown()
             raise
         self.config.cache_config.num_blocks = ready.num_blocks
+        self.config.cache_config.num_host_blocks = ready.num_host_blocks
         self.model_spec = ready.model_spec
         self.input_processor = InputProcessor(
             self.tokenizer,

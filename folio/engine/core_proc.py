@@ -43,6 +43,7 @@ class Shutdown:
 class CoreReady:
     num_blocks: int
     model_spec: ModelSpec
+    num_host_blocks: int = 0  # the host KV tier's blocks, as the worker resolved them (0: no tier)
 
 
 @dataclass
@@ -69,7 +70,8 @@ def run_engine_core(config: EngineConfig, requests_in: Any, outputs_out: Any) ->
     except Exception as e:  # reported to the frontend, which raises it for the user
         outputs_out.send(CoreFailed(f"{type(e).__name__}: {e}"))
         return
-    outputs_out.send(CoreReady(config.cache_config.num_blocks, executor.model_spec))
+    cache = config.cache_config
+    outputs_out.send(CoreReady(cache.num_blocks, executor.model_spec, cache.num_host_blocks))
     try:
         _serve(core, requests_in, outputs_out)
     except (EOFError, BrokenPipeError, KeyboardInterrupt):

@@ -171,7 +171,7 @@ async def serve(args: argparse.Namespace, engine_args: EngineArgs) -> int:
 
     model_name = served_model_name(args)
     prometheus = PrometheusStatLogger(model_name)
-    logging_stats = LoggingStatLogger()
+    logging_stats = LoggingStatLogger(host_tier=engine_args.kv_offloading_size > 0)
     engine = AsyncLLM(engine_args, stat_loggers=[prometheus, logging_stats])
     try:
         app = build_app(engine, args, prometheus, logging_stats)

@@ -43,6 +43,7 @@ ITL_BUCKETS = [
 REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0]
 REQUEST_LATENCY_BUCKETS += [120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
 FINISH_REASONS = ("stop", "length", "abort")
+OFFLOAD_DIRECTIONS = ("to_cpu", "to_device")
 
 
 class PrometheusStatLogger:
@@ -65,6 +66,37 @@ class PrometheusStatLogger:
             "folio:prefix_cache_hits", "Prefix-cache hits, in tokens.", labels, registry=reg
         )
         self.counter_preemptions = Counter("folio:num_preemptions", "Cumulative preemptions.", labels, registry=reg)
+        # The host KV tier (issue 18), vLLM's names. The core's SchedulerStats carries them once the tier is built;
+        # read with getattr so that a snapshot without them counts 0.
+        self.counter_offload_blocks = Counter(
+            "folio:kv_offload_blocks",
+            "KV blocks copied by the host tier, by direction.",
+            [*labels, "direction"],
+            registry=reg,
+        )
+        for direction in OFFLOAD_DIRECTIONS:
+            self.counter_offload_blocks.labels(model_name, direction)
+        self.gauge_offload_usage = Gauge(
+            "folio:kv_offload_cpu_usage_perc",
+            "Host KV tier usage: 1 means every host block is in use.",
+            labels,
+            registry=reg,
+        )
+        self.counter_external_queries = Counter(
+            "folio:external_prefix_cache_queries",
+            "Prefix queries past the device pool, in tokens.",
+            labels,
+            registry=reg,
+        )
+        self.counter_external_hits = Counter(
+            "folio:external_prefix_cache_hits", "Prefix hits in the host tier, in tokens.", labels, registry=reg
+        )
+        self.counter_swapped_preemptions = Counter(
+            "folio:num_swapped_preemptions",
+            "Cumulative preemptions done by swapping to the host tier.",
+            labels,
+            registry=reg,
+        )
         self.counter_prompt_tokens = Counter("folio:prompt_tokens", "Prefill tokens processed.", labels, registry=reg)
         self.counter_generation_tokens = Counter(
             "folio:generation_tokens", "Generation tokens processed.", labels, registry=reg
@@ -101,6 +133,10 @@ class PrometheusStatLogger:
             self.counter_prefix_queries,
             self.counter_prefix_hits,
             self.counter_preemptions,
+            self.gauge_offload_usage,
+            self.counter_external_queries,
+            self.counter_external_hits,
+            self.counter_swapped_preemptions,
             self.counter_prompt_tokens,
             self.counter_generation_tokens,
             self.hist_ttft,
@@ -113,6 +149,11 @@ class PrometheusStatLogger:
         self._last_prefix_queries = 0
         self._last_prefix_hits = 0
         self._last_preemptions = 0
+        self._last_offload_to_cpu = 0
+        self._last_offload_to_device = 0
+        self._last_external_queries = 0
+        self._last_external_hits = 0
+        self._last_swapped_preemptions = 0
 
     def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None:
         name = self.model_name
@@ -122,6 +163,7 @@ class PrometheusStatLogger:
         self._advance(self.counter_prefix_queries, scheduler_stats.prefix_cache_queries, "_last_prefix_queries")
         self._advance(self.counter_prefix_hits, scheduler_stats.prefix_cache_hits, "_last_prefix_hits")
         self._advance(self.counter_preemptions, scheduler_stats.num_preemptions_total, "_last_preemptions")
+        self._record_offload(scheduler_stats)
         self.counter_prompt_tokens.labels(name).inc(iteration_stats.num_prompt_tokens)
         self.counter_generation_tokens.labels(name).inc(iteration_stats.num_generation_tokens)
         for ttft in iteration_stats.time_to_first_tokens:
@@ -133,10 +175,24 @@ class PrometheusStatLogger:
             self.hist_e2e.labels(name).observe(finished.e2e_latency)
             self.hist_queue.labels(name).observe(finished.queue_time)
 
-    def _advance(self, counter: Counter, cumulative: int, last_attr: str) -> None:
+    def _record_offload(self, stats: SchedulerStats) -> None:
+        """The host tier's counters (0 where the snapshot has none: no tier, or a core without one)."""
+        self.gauge_offload_usage.labels(self.model_name).set(getattr(stats, "kv_offload_cpu_usage", 0.0))
+        to_cpu, to_device = (getattr(stats, f"kv_offload_blocks_to_{d}_total", 0) for d in ("cpu", "device"))
+        self._advance(self.counter_offload_blocks, to_cpu, "_last_offload_to_cpu", "to_cpu")
+        self._advance(self.counter_offload_blocks, to_device, "_last_offload_to_device", "to_device")
+        queries = getattr(stats, "external_prefix_cache_queries", 0)
+        self._advance(self.counter_external_queries, queries, "_last_external_queries")
+        self._advance(
+            self.counter_external_hits, getattr(stats, "external_prefix_cache_hits", 0), "_last_external_hits"
+        )
+        swapped = getattr(stats, "num_swapped_preemptions_total", 0)
+        self._advance(self.counter_swapped_preemptions, swapped, "_last_swapped_preemptions")
+
+    def _advance(self, counter: Counter, cumulative: int, last_attr: str, *labels: str) -> None:
         delta = cumulative - getattr(self, last_attr)
         if delta > 0:
-            counter.labels(self.model_name).inc(delta)
+            counter.labels(self.model_name, *labels).inc(delta)
         setattr(self, last_attr, max(cumulative, getattr(self, last_attr)))
 
     def render(self) -> bytes:
@@ -147,13 +203,16 @@ class PrometheusStatLogger:
 class LoggingStatLogger:
     """vLLM's periodic line: throughput over the interval, queue sizes, KV usage and prefix hit rate."""
 
-    def __init__(self, interval_s: float = 10.0) -> None:
+    def __init__(self, interval_s: float = 10.0, host_tier: bool = False) -> None:
         self.interval_s = interval_s
+        self.host_tier = host_tier  # a host KV tier exists: the line adds its usage and hit rate
         self._last_log_time = time.monotonic()
         self._num_prompt_tokens = 0
         self._num_generation_tokens = 0
         self._prefix_queries = 0  # cumulative, from the last snapshot
         self._prefix_hits = 0
+        self._external_queries = 0  # cumulative, host tier
+        self._external_hits = 0
         self._last: SchedulerStats | None = None
         self._logged_idle = True  # nothing to report until the first step
 
@@ -182,16 +241,31 @@ class LoggingStatLogger:
         hit_rate = hits / queries if queries > 0 else 0.0
         logger.info(
             "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, Running: %d reqs, "
-            "Waiting: %d reqs, GPU KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%",
+            "Waiting: %d reqs, GPU KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%%s",
             self._num_prompt_tokens / elapsed,
             self._num_generation_tokens / elapsed,
             running,
             waiting,
             usage * 100,
             hit_rate * 100,
+            self._host_tier_part(stats),
         )
         if stats is not None:
             self._prefix_queries, self._prefix_hits = stats.prefix_cache_queries, stats.prefix_cache_hits
         self._num_prompt_tokens = self._num_generation_tokens = 0
         self._last_log_time = now
         self._logged_idle = running == 0 and waiting == 0
+
+    def _host_tier_part(self, stats: SchedulerStats | None) -> str:
+        """', CPU KV cache usage: U%, CPU prefix cache hit rate: H%' over the interval; '' without a host tier.
+        Advances the interval's starting point of the host tier's counters."""
+        if not self.host_tier:
+            return ""
+        usage = getattr(stats, "kv_offload_cpu_usage", 0.0)
+        queries_total = getattr(stats, "external_prefix_cache_queries", 0)
+        hits_total = getattr(stats, "external_prefix_cache_hits", 0)
+        queries, hits = queries_total - self._external_queries, hits_total - self._external_hits
+        if stats is not None:
+            self._external_queries, self._external_hits = queries_total, hits_total
+        rate = hits / queries if queries > 0 else 0.0
+        return f", CPU KV cache usage: {usage * 100:.1f}%, CPU prefix cache hit rate: {rate * 100:.1f}%"

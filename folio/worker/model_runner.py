@@ -1,7 +1,8 @@
 """ModelRunner: SchedulerOutput -> model inputs -> forward -> sample -> ModelRunnerOutput. No policy here.
 
 What to compute is decided by the scheduler; the runner only keeps its copy of each request current, executes
-copy-on-write plans, runs the model on the flattened batch and samples where a request reached its last token.
+the host KV tier's store / load plans and the copy-on-write plans (in that order), runs the model on the
+flattened batch and samples where a request reached its last token.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from folio.sample.sampler import Sampler
 from folio.step_timer import FORWARD, PREPARE_INPUTS, SAMPLE, StepTimer
 from folio.worker.decode_graphs import DecodeGraphs
 from folio.worker.input_batch import ModelInput, prepare_model_input
+from folio.worker.kv_offload import KVTransfer
 from folio.worker.request_state import CachedRequestState, RequestStates
 
 _SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (seed, step) pairs over the 64-bit space
@@ -49,6 +51,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.step_timer: StepTimer | None = None  # set only by profiling benchmarks (folio.step_timer)
         self.decode_graphs: DecodeGraphs | None = None  # set by enable_decode_graphs
+        self.kv_transfer: KVTransfer | None = None  # set by the worker when a host KV tier exists
 
     def enable_decode_graphs(
         self, max_num_seqs: int, max_model_len: int, scratch_slot: int, capture: bool
@@ -72,6 +75,10 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(sched)
+        if sched.kv_stores or sched.kv_loads:  # the host tier's plans: every store, then every load
+            if self.kv_transfer is None:
+                raise RuntimeError("the scheduler planned host KV copies but this worker has no host KV tier")
+            self.kv_transfer.execute(sched.kv_stores, sched.kv_loads)
         if sched.block_copies:
             self._copy_blocks(sched.block_copies)
         if sched.total_num_scheduled_tokens == 0:

@@ -19,6 +19,7 @@ from folio.model.llama import LlamaForCausalLM
 from folio.model.loader import ModelSpec, load_model
 from folio.model.noop import NoopCausalLM
 from folio.worker.cpu_threads import CpuThreadGovernor
+from folio.worker.kv_offload import HostKVCache, KVTransfer, mem_available_bytes, resolve_num_host_blocks
 from folio.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("folio")
@@ -112,11 +113,46 @@ class Worker:
             self.spec.vocab_size,
             self.device,
         )
+        # After the device cache, so that on the CPU the RAM check sees what the device cache already took.
+        self.host_kv_cache = self._allocate_host_tier(noop)
+        if self.host_kv_cache is not None:
+            self.model_runner.kv_transfer = KVTransfer(self.model_runner.kv_caches, self.host_kv_cache, self.device)
         if self._wants_decode_graphs():
             self._capture_decode_graphs(num_blocks * config.cache_config.block_size)
         adaptive = self.device.type == "cpu" and config.cpu_config.adaptive_threads
         self._threads = CpuThreadGovernor(torch.get_num_threads()) if adaptive else None
         self._threads_logged: int | None = None
+
+    def _allocate_host_tier(self, noop: bool) -> HostKVCache | None:
+        """The host KV tier of --kv-offloading-size GiB: resolves cache_config.num_host_blocks (read by the engine
+        core's KV manager, built after the worker) and allocates it (pinned on CUDA). None when the tier is off."""
+        cache = self.config.cache_config
+        shape = self.kv_shape
+        num_host_blocks = resolve_num_host_blocks(
+            cache.kv_offloading_size, shape.bytes_per_block, mem_available_bytes()
+        )
+        cache.num_host_blocks = num_host_blocks
+        if num_host_blocks == 0:
+            return None
+        host = HostKVCache(
+            shape.num_layers,
+            0 if noop else num_host_blocks,  # the no-op model keeps no K/V: the tier is accounted, not allocated
+            shape.block_size,
+            shape.num_kv_heads,
+            shape.head_dim,
+            shape.dtype,
+            shape.head_major,
+            pin_memory=self.device.type == "cuda",
+        )
+        logger.info(
+            "KV host tier: %d blocks of %d tokens (%d tokens, %.2f GiB%s)",
+            num_host_blocks,
+            shape.block_size,
+            num_host_blocks * shape.block_size,
+            num_host_blocks * shape.bytes_per_block / 2**30,
+            ", pinned" if self.device.type == "cuda" else "",
+        )
+        return host
 
     def _wants_decode_graphs(self) -> bool:
         """CUDA, not enforce_eager, a real model whose attention backend can be captured (TritonPagedBackend)."""

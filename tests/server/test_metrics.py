@@ -11,12 +11,16 @@ import pytest
 from tests.server.conftest import ServerProcess, metric, parse_metrics, start_server
 
 GAUGES = ["folio:num_requests_running", "folio:num_requests_waiting", "folio:kv_cache_usage_perc"]
+GAUGES += ["folio:kv_offload_cpu_usage_perc"]
 COUNTERS = [
     "folio:prefix_cache_queries_total",
     "folio:prefix_cache_hits_total",
     "folio:num_preemptions_total",
     "folio:prompt_tokens_total",
     "folio:generation_tokens_total",
+    "folio:external_prefix_cache_queries_total",
+    "folio:external_prefix_cache_hits_total",
+    "folio:num_swapped_preemptions_total",
 ]
 HISTOGRAMS = [
     "folio:time_to_first_token_seconds",
@@ -46,6 +50,8 @@ def test_every_metric_exposed_before_any_request(fresh_server: ServerProcess) ->
         assert metric(values, name) == 0.0, name
     for reason in ("stop", "length", "abort"):
         assert metric(values, "folio:request_success_total", finished_reason=reason) == 0.0
+    for direction in ("to_cpu", "to_device"):
+        assert metric(values, "folio:kv_offload_blocks_total", direction=direction) == 0.0
     for name in HISTOGRAMS:
         assert metric(values, f"{name}_count") == 0.0
         assert f"# TYPE {name} histogram" in text

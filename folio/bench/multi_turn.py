@@ -1,0 +1,239 @@
+"""`folio bench throughput --dataset-name multi_turn`: the KV-tier workload of issue 18, offline, in waves.
+
+Wave t sends every conversation's turn t at once through the in-process engine; each prompt is the whole history,
+with the replies the engine produced in the earlier waves (greedy, EOS ignored). The clock covers the waves' engine
+work only. TTFT is measured per request from its wave's start (all of a wave's requests are queued together) to
+the step that returned its first token.
+
+``--compare-offloading`` runs the workload twice in one command, without and with the host KV tier (the engine
+flags otherwise the same), and prints both, their ratio, the tokens recomputed after preemption in each run and
+whether the greedy outputs were identical (exit 1 if not).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from folio.bench.datasets import MultiTurnWorkload, multi_turn_from_args
+from folio.core.sched_output import ModelRunnerOutput, SchedulerOutput
+
+# The scheduler snapshot's counters a run reports, as differences over the run (getattr: 0 where a core has none).
+_COUNTERS = (
+    "num_preemptions_total",
+    "num_swapped_preemptions_total",
+    "prefix_cache_queries",
+    "prefix_cache_hits",
+    "external_prefix_cache_queries",
+    "external_prefix_cache_hits",
+    "kv_offload_blocks_to_cpu_total",
+    "kv_offload_blocks_to_device_total",
+)
+
+
+class ComputeCounter:
+    """Wraps the engine core's executor and counts, from each SchedulerOutput, the tokens the forward computes and
+    those it computes again for a request that had computed them before (after a recompute preemption)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.forwarded = 0
+        self.recomputed = 0
+        self._high_water: dict[str, int] = {}  # request id -> positions computed so far
+
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        starts = {r.req_id: r.num_computed_tokens for r in sched.scheduled_new_reqs}
+        cached = sched.scheduled_cached_reqs
+        starts.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+        for req_id, count in sched.num_scheduled_tokens.items():
+            start, high = starts[req_id], self._high_water.get(req_id, 0)
+            self.forwarded += count
+            self.recomputed += max(0, min(start + count, high) - start)
+            self._high_water[req_id] = max(high, start + count)
+        return self.inner.execute_model(sched)  # type: ignore[no-any-return]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+@dataclass
+class MultiTurnRun:
+    label: str
+    num_host_blocks: int
+    preemption_mode: str
+    elapsed_s: float
+    prompt_tokens: int
+    output_tokens: int
+    ttfts_s: list[float]
+    forwarded_tokens: int
+    recomputed_tokens: int  # tokens computed again after preemption (0 where swap brings them back)
+    counters: dict[str, int] = field(default_factory=dict)
+    replies: list[list[list[int]]] = field(default_factory=list)  # [conversation][turn] -> output token ids
+
+    @property
+    def tokens_per_second(self) -> float:
+        return (self.prompt_tokens + self.output_tokens) / self.elapsed_s
+
+    @property
+    def mean_ttft_s(self) -> float:
+        return sum(self.ttfts_s) / len(self.ttfts_s)
+
+    def lines(self) -> list[str]:
+        c = self.counters
+        return [
+            f"Throughput: {self.tokens_per_second:.2f} total tokens/s ({self.prompt_tokens} prompt + "
+            f"{self.output_tokens} output tokens in {self.elapsed_s:.2f} s); "
+            f"mean TTFT {1000 * self.mean_ttft_s:.1f} ms",
+            f"Preemptions: {c['num_preemptions_total']} ({c['num_swapped_preemptions_total']} by swap); tokens "
+            f"recomputed after preemption: {self.recomputed_tokens}; tokens forwarded: {self.forwarded_tokens}",
+            f"Prefix cache hits: device {c['prefix_cache_hits']} of {c['prefix_cache_queries']} tokens, host tier "
+            f"{c['external_prefix_cache_hits']} of {c['external_prefix_cache_queries']}; blocks to CPU "
+            f"{c['kv_offload_blocks_to_cpu_total']}, to device {c['kv_offload_blocks_to_device_total']}",
+        ]
+
+
+def _counters(engine: Any) -> dict[str, int]:
+    stats = engine.engine_core.scheduler.get_stats()
+    return {name: int(getattr(stats, name, 0)) for name in _COUNTERS}
+
+
+def _run_wave(engine: Any, prompts: list[list[int]], output_len: int) -> tuple[list[list[int]], list[float]]:
+    """Every prompt queued at once, stepped to completion: (output ids, TTFT seconds) in the prompts' order."""
+    from folio.engine.output_processor import RequestOutputKind
+    from folio.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    ids = [engine.next_request_id() for _ in prompts]
+    start = time.perf_counter()
+    for request_id, prompt in zip(ids, prompts, strict=True):
+        engine.add_request(request_id, {"prompt_token_ids": prompt}, params, 0, RequestOutputKind.CUMULATIVE)
+    first: dict[str, float] = {}
+    done: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        now = time.perf_counter()
+        for out in outputs:
+            if out.outputs[0].token_ids and out.request_id not in first:
+                first[out.request_id] = now - start
+            if out.finished:
+                done[out.request_id] = list(out.outputs[0].token_ids)
+    return [done[r] for r in ids], [first[r] for r in ids]
+
+
+def run_multi_turn(llm: Any, workload: MultiTurnWorkload, label: str) -> MultiTurnRun:
+    """The workload in waves on ``llm`` (a warm-up request first, outside the clock and the counts)."""
+    engine = llm.llm_engine
+    _run_wave(engine, [workload.system_prompt[:16] or [1]], 2)  # first-use costs (kernels, allocator) off the clock
+    counter = ComputeCounter(engine.engine_core.executor)
+    engine.engine_core.executor = counter
+    before = _counters(engine)
+    num_conversations = len(workload.user_turns)
+    replies: list[list[list[int]]] = [[] for _ in range(num_conversations)]
+    elapsed, ttfts, prompt_tokens = 0.0, [], 0
+    try:
+        for turn in range(workload.num_turns):
+            prompts = [workload.turn_prompt(c, turn, replies[c]) for c in range(num_conversations)]
+            start = time.perf_counter()
+            outputs, wave_ttfts = _run_wave(engine, prompts, workload.output_len)
+            elapsed += time.perf_counter() - start
+            ttfts += wave_ttfts
+            prompt_tokens += sum(len(p) for p in prompts)
+            for c, output in enumerate(outputs):
+                replies[c].append(output)
+    finally:
+        engine.engine_core.executor = counter.inner
+    after = _counters(engine)
+    config = engine.config
+    num_host_blocks = config.cache_config.num_host_blocks
+    mode = config.scheduler_config.preemption_mode or ("swap" if num_host_blocks else "recompute")
+    return MultiTurnRun(
+        label=label,
+        num_host_blocks=num_host_blocks,
+        preemption_mode=mode,
+        elapsed_s=elapsed,
+        prompt_tokens=prompt_tokens,
+        output_tokens=sum(len(r) for conv in replies for r in conv),
+        ttfts_s=ttfts,
+        forwarded_tokens=counter.forwarded,
+        recomputed_tokens=counter.recomputed,
+        counters={name: after[name] - before[name] for name in _COUNTERS},
+        replies=replies,
+    )
+
+
+def _describe(llm: Any, workload: MultiTurnWorkload, ns: argparse.Namespace) -> str:
+    cache = llm.llm_engine.config.cache_config
+    working_blocks = -(-workload.working_set_tokens() // cache.block_size)
+    return (
+        f"Multi-turn chat: {len(workload.user_turns)} conversations x {workload.num_turns} turns (system "
+        f"{ns.multi_turn_system_len}, user {ns.multi_turn_user_len}, output {workload.output_len} tokens); working "
+        f"set {working_blocks} blocks of {cache.block_size} tokens; device KV pool {cache.num_blocks} blocks "
+        f"({100 * cache.num_blocks / working_blocks:.0f}% of it); host tier {cache.num_host_blocks} blocks"
+    )
+
+
+def _one_run(ns: argparse.Namespace, label: str, **overrides: Any) -> tuple[MultiTurnRun, str]:
+    from folio.bench.offline import _make_llm, _special_ids
+
+    llm = _make_llm(ns, **overrides)
+    workload = multi_turn_from_args(ns, llm.llm_engine.model_spec.vocab_size, _special_ids(llm))
+    description = _describe(llm, workload, ns)
+    run = run_multi_turn(llm, workload, label)
+    del llm
+    gc.collect()  # the next run's engine takes its KV cache and host tier
+    return run, description
+
+
+def cmd_multi_turn(ns: argparse.Namespace) -> int:
+    if not ns.compare_offloading:
+        run, description = _one_run(ns, "run")
+        print(description)
+        print("\n".join(run.lines()))
+        _write(ns.output_json, {"run": _summary(run)})
+        return 0
+    if not ns.kv_offloading_size > 0:
+        raise ValueError("--compare-offloading needs --kv-offloading-size > 0 (the host tier of the second run)")
+    base, _ = _one_run(ns, "without host tier", kv_offloading_size=0.0, preemption_mode=None)
+    tier, description = _one_run(ns, "with host tier")
+    print(description)
+    for run in (base, tier):
+        print(f"--- {run.label} ({run.num_host_blocks} host blocks, preemption {run.preemption_mode})")
+        print("\n".join(run.lines()))
+    identical = base.replies == tier.replies
+    num_turns = sum(len(conv) for conv in base.replies)
+    throughput_ratio = tier.tokens_per_second / base.tokens_per_second
+    ttft_ratio = tier.mean_ttft_s / base.mean_ttft_s
+    print(f"Ratio (with / without host tier): total throughput {throughput_ratio:.2f}x, mean TTFT {ttft_ratio:.2f}x")
+    print(
+        f"Tokens recomputed after preemption: {tier.preemption_mode} {tier.recomputed_tokens}, "
+        f"{base.preemption_mode} {base.recomputed_tokens}"
+    )
+    print(f"Greedy outputs identical: {'yes' if identical else 'NO'} ({num_turns} turns)")
+    moved = tier.counters["kv_offload_blocks_to_cpu_total"] + tier.counters["kv_offload_blocks_to_device_total"]
+    if moved == 0:
+        print("Note: the host tier moved no block in this run: both runs did the same work, any ratio is noise")
+    result = {
+        "without": _summary(base),
+        "with": _summary(tier),
+        "throughput_ratio": throughput_ratio,
+        "mean_ttft_ratio": ttft_ratio,
+        "greedy_identical": identical,
+    }
+    _write(ns.output_json, result)
+    return 0 if identical else 1
+
+
+def _summary(run: MultiTurnRun) -> dict[str, Any]:
+    summary = asdict(run)
+    del summary["replies"]
+    return {**summary, "tokens_per_second": run.tokens_per_second, "mean_ttft_s": run.mean_ttft_s}
+
+
+def _write(path: str | None, result: dict[str, Any]) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(result, f, indent=2)
