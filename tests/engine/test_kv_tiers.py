@@ -1,0 +1,116 @@
+"""Both halves of the host KV tier on the real model (issue 18): the scheduler's store/load plans executed by the
+worker. A device pool of 12 blocks for 4 requests of 5 growing to 7 blocks each, sharing a 3-block prefix, forces swaps
+and evicts cached prefixes to the host tier; a second round re-sends the prompts (reversed) and finds them there.
+Outputs must not change: greedy with the host tier vs without, swap vs recompute, and seeded sampling under swap.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from folio import LLM, SamplingParams
+from folio.request import Request
+from tests.engine.conftest import assert_no_leaks
+
+BLOCK = 16
+PREFIX = [(7 * i + 3) % 5000 + 200 for i in range(3 * BLOCK)]  # 3 full blocks shared by every prompt
+PROMPTS = [PREFIX + [(97 * i + 11 * j) % 5000 + 300 for j in range(24)] for i in range(4)]  # 72 tokens each
+MAX_TOKENS = 40  # 112 tokens at the end: 7 blocks per request
+SMALL_POOL = dict(num_gpu_blocks_override=12, max_model_len=128, max_num_seqs=4)
+HOST_GIB = 0.05  # ~70 blocks of SmolLM2 in float32: room for every swap and every evicted prefix block
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+def _seeded(i: int) -> SamplingParams:
+    return SamplingParams(temperature=0.8, seed=1000 + i, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+class _Run:
+    """Two rounds (the prompts, then the same prompts reversed) on one engine; which requests were swapped."""
+
+    def __init__(self, llm: LLM, params: Callable[[int], SamplingParams]) -> None:
+        self.llm = llm
+        preemption = llm.llm_engine.scheduler.preemption
+        release = preemption.release_blocks
+        self.swapped: set[str] = set()
+
+        def observed_release(request: Request) -> bool:  # the real strategy, watched
+            done = release(request)
+            if done:
+                self.swapped.add(request.request_id)
+            return done
+
+        preemption.release_blocks = observed_release
+        order = [list(range(4)), list(reversed(range(4)))]
+        self.rounds: list[list[Any]] = []
+        self.tokens: dict[int, list[list[int]]] = {i: [] for i in range(4)}
+        for indices in order:
+            outputs = llm.generate(
+                [{"prompt_token_ids": PROMPTS[i]} for i in indices], [params(i) for i in indices], use_tqdm=False
+            )
+            assert_no_leaks(llm)  # both pools: every device and host block free again
+            self.rounds.append(outputs)
+            for i, out in zip(indices, outputs, strict=True):
+                self.tokens[i].append(list(out.outputs[0].token_ids))
+        preemption.release_blocks = release
+        self.stats = llm.llm_engine.scheduler.get_stats()
+
+
+@pytest.fixture(scope="module")
+def plain(make_llm_module: Callable[..., LLM]) -> _Run:
+    return _Run(make_llm_module(**SMALL_POOL), lambda i: GREEDY)
+
+
+@pytest.fixture(scope="module")
+def make_llm_module() -> Callable[..., LLM]:
+    def make(**kwargs: Any) -> LLM:
+        return LLM(dtype="float32", **kwargs)
+
+    return make
+
+
+@pytest.fixture(scope="module")
+def tiered(make_llm_module: Callable[..., LLM]) -> _Run:
+    return _Run(make_llm_module(**SMALL_POOL, kv_offloading_size=HOST_GIB), lambda i: GREEDY)
+
+
+def test_swap_and_host_prefix_hits_keep_greedy_outputs(plain: _Run, tiered: _Run) -> None:
+    plain_stats, stats = plain.stats, tiered.stats
+    assert plain_stats.num_preemptions_total > 0 and plain_stats.num_swapped_preemptions_total == 0
+    assert plain_stats.kv_offload_blocks_to_cpu_total == 0
+    assert stats.num_swapped_preemptions_total > 0, stats
+    assert stats.num_swapped_preemptions_total == stats.num_preemptions_total, "no fallback to recompute"
+    assert stats.kv_offload_blocks_to_cpu_total > 0 and stats.kv_offload_blocks_to_device_total > 0, stats
+    assert stats.external_prefix_cache_hits > 0, stats
+    # FCFS preempts running[-1], so a round's first request is never a victim: every other request of round 1 is
+    # swapped, and the reversed round 2 swaps round 1's head: every prompt is swapped at least once.
+    round1 = [out.request_id for out in tiered.rounds[0]]
+    assert set(round1[1:]) <= tiered.swapped, (round1, tiered.swapped)
+    round2 = dict(zip(reversed(range(4)), (out.request_id for out in tiered.rounds[1]), strict=True))
+    assert round2[0] in tiered.swapped, (round2, tiered.swapped)
+    assert plain.tokens == tiered.tokens
+    for i in range(4):  # each round gives the same greedy output for the same prompt
+        assert tiered.tokens[i][0] == tiered.tokens[i][1]
+
+
+def test_swap_and_recompute_modes_agree(make_llm_module: Callable[..., LLM], tiered: _Run) -> None:
+    recompute = _Run(
+        make_llm_module(**SMALL_POOL, kv_offloading_size=HOST_GIB, preemption_mode="recompute"), lambda i: GREEDY
+    )
+    stats = recompute.stats
+    assert stats.num_preemptions_total > 0 and stats.num_swapped_preemptions_total == 0, stats
+    assert not recompute.swapped
+    assert stats.external_prefix_cache_hits > 0, "recompute mode still uses the host tier as a prefix cache"
+    assert recompute.tokens == tiered.tokens
+
+
+def test_seeded_sampling_is_identical_under_swap(make_llm_module: Callable[..., LLM]) -> None:
+    swap = _Run(make_llm_module(**SMALL_POOL, kv_offloading_size=HOST_GIB), _seeded)
+    base = _Run(make_llm_module(**SMALL_POOL), _seeded)
+    assert swap.stats.num_swapped_preemptions_total > 0
+    assert swap.tokens == base.tokens
+    assert any(swap.tokens[i][0] != swap.tokens[j][0] for i in range(4) for j in range(i)), "the seeds must matter"
