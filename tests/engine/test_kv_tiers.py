@@ -114,3 +114,12 @@ def test_seeded_sampling_is_identical_under_swap(make_llm_module: Callable[..., 
     assert swap.stats.num_swapped_preemptions_total > 0
     assert swap.tokens == base.tokens
     assert any(swap.tokens[i][0] != swap.tokens[j][0] for i in range(4) for j in range(i)), "the seeds must matter"
+
+
+def test_a_full_host_tier_falls_back_to_recompute(make_llm_module: Callable[..., LLM], plain: _Run) -> None:
+    """A 7-block host tier cannot take every swap, and prompts are chunked (32 tokens a step): some preemptions
+    swap, the others fall back to recompute, and the outputs still equal the plain engine's."""
+    small = _Run(make_llm_module(**SMALL_POOL, kv_offloading_size=0.005, max_num_batched_tokens=32), lambda i: GREEDY)
+    stats = small.stats
+    assert 0 < stats.num_swapped_preemptions_total < stats.num_preemptions_total, stats
+    assert small.tokens == plain.tokens
