@@ -110,6 +110,22 @@ def metric(values: dict[str, float], name: str, **labels: str) -> float:
     raise KeyError(f"{name}{wanted} not in /metrics")
 
 
+# Nothing runs, waits, holds an admission slot or a KV block: the state every test ends in.
+IDLE_METRICS = (
+    "folio:num_requests_running",
+    "folio:num_requests_waiting",
+    "folio:num_requests_in_flight",
+    "folio:num_queued_prompt_tokens",
+    "folio:kv_cache_usage_perc",
+)
+
+
+def server_is_idle(server: ServerProcess) -> bool:
+    """Every IDLE_METRICS series reads 0 in /metrics."""
+    values = server.metrics()
+    return all(metric(values, name) == 0 for name in IDLE_METRICS)
+
+
 def start_server(tmp_dir: Path, name: str, extra_args: list[str] | None = None, **kwargs: Any) -> ServerProcess:
     server = ServerProcess(tmp_dir / f"{name}.log", extra_args, **kwargs)
     server.wait_healthy()

@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.server.conftest import ServerProcess, metric, parse_metrics, start_server, wait_until
+from tests.server.conftest import ServerProcess, metric, parse_metrics, server_is_idle, start_server, wait_until
 
 MAX_NUM_SEQS, MAX_NUM_QUEUED_REQS = 2, 4
 MAX_NUM_QUEUED_TOKENS = 1000  # far above the burst's prompts (6 x under 50 tokens)
@@ -67,14 +67,6 @@ async def _core_counts(aclient: httpx.AsyncClient, server: ServerProcess) -> tup
     return metric(values, "folio:num_requests_running"), metric(values, "folio:num_requests_waiting")
 
 
-def _idle(server: ServerProcess) -> bool:
-    """Nothing runs, waits, holds an admission slot or a KV block."""
-    values = server.metrics()
-    names = ["folio:num_requests_running", "folio:num_requests_waiting", "folio:num_requests_in_flight"]
-    names += ["folio:num_queued_prompt_tokens", "folio:kv_cache_usage_perc"]
-    return all(metric(values, name) == 0 for name in names)
-
-
 async def _wait_for(aclient: httpx.AsyncClient, server: ServerProcess, done: Any) -> dict[str, float]:
     """Polls /metrics until ``done(values)``; the timeout only guards a hang."""
     deadline = time.monotonic() + HANG_GUARD_S
@@ -117,7 +109,7 @@ def test_burst_admits_running_plus_queued_and_refuses_the_rest(burst_server: Ser
         assert '"code":"queue_full"' in outcome.body and '"type":"service_unavailable_error"' in outcome.body
 
     # Every admitted request was dropped: nothing is left in flight, and the server serves again.
-    assert wait_until(lambda: _idle(server), HANG_GUARD_S), server.metrics()
+    assert wait_until(lambda: server_is_idle(server), HANG_GUARD_S), server.metrics()
     assert metric(server.metrics(), "folio:num_requests_refused_total") == len(refusals)  # the first test here
     response = httpx.post(server.url("/v1/completions"), json={"prompt": "Hi", "max_tokens": 4}, timeout=60)
     assert response.status_code == 200, response.text
@@ -163,4 +155,4 @@ def test_queued_prompt_tokens_limit(burst_server: ServerProcess) -> None:
     assert refused.status_code == 503, refused.text
     assert int(refused.headers["retry-after"]) >= 1
     assert "--max-num-queued-tokens 1000" in refused.json()["error"]["message"]
-    assert wait_until(lambda: _idle(server), HANG_GUARD_S), server.metrics()
+    assert wait_until(lambda: server_is_idle(server), HANG_GUARD_S), server.metrics()

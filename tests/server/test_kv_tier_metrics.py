@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.server.conftest import MODEL_NAME, ServerProcess, metric, start_server, wait_until
+from tests.server.conftest import MODEL_NAME, ServerProcess, metric, server_is_idle, start_server, wait_until
 
 BLOCK = 16
 PROMPT_A = [300 + i for i in range(4 * BLOCK)]
@@ -59,15 +59,6 @@ def _complete(server: ServerProcess, prompt: list[int]) -> list[int]:
     return list(choice["logprobs"]["tokens"])
 
 
-def _idle(server: ServerProcess) -> bool:
-    values = server.metrics()
-    return (
-        metric(values, "folio:num_requests_running") == 0
-        and metric(values, "folio:num_requests_waiting") == 0
-        and metric(values, "folio:kv_cache_usage_perc") == 0
-    )
-
-
 def test_counters_equal_the_known_counts(tiered_server: ServerProcess) -> None:
     assert "KV host tier: 14 blocks of 16 tokens" in tiered_server.log_tail(20000)
     before = _counters(tiered_server)
@@ -75,7 +66,7 @@ def test_counters_equal_the_known_counts(tiered_server: ServerProcess) -> None:
     _complete(tiered_server, PROMPT_F)
     again = _complete(tiered_server, PROMPT_A)
     assert again == first, "the host tier's K/V give the same greedy token"
-    assert wait_until(lambda: _idle(tiered_server), timeout_s=30), "the server must go idle"  # hang guard
+    assert wait_until(lambda: server_is_idle(tiered_server), timeout_s=30), "the server must go idle"  # hang guard
     after = _counters(tiered_server)
     diff = {key: after[key] - before[key] for key in COUNTERS}
     assert diff == {

@@ -28,6 +28,7 @@ from tests.server.conftest import (
     free_port,
     metric,
     parse_metrics,
+    server_is_idle,
     start_server,
     wait_until,
 )
@@ -210,18 +211,9 @@ def test_queue_limit_503(keyed_server: ServerProcess) -> None:
     assert response.status_code == 503, response.text
     assert response.json()["error"]["type"] == "service_unavailable_error"
     assert int(response.headers["retry-after"]) >= 1
-    assert wait_until(lambda: _idle(server), timeout_s=HANG_GUARD_S), server.metrics()
+    assert wait_until(lambda: server_is_idle(server), timeout_s=HANG_GUARD_S), server.metrics()
     response = httpx.post(server.url("/v1/completions"), json=probe, headers=headers, timeout=60)
     assert response.status_code == 200
-
-
-def _idle(server: ServerProcess) -> bool:
-    values = server.metrics()
-    return (
-        metric(values, "folio:num_requests_running") == 0
-        and metric(values, "folio:num_requests_waiting") == 0
-        and metric(values, "folio:kv_cache_usage_perc") == 0
-    )
 
 
 def test_sigterm_drains_and_exits_0(keyed_server: ServerProcess) -> None:

@@ -10,19 +10,12 @@ import time
 from collections import Counter
 from typing import Any
 
-from tests.server.conftest import MODEL_NAME, ServerProcess, metric, wait_until
+from tests.server.conftest import IDLE_METRICS, MODEL_NAME, ServerProcess, metric, server_is_idle, wait_until
 
 NUM_STREAMS = 200
 CONCURRENCY = 32
 SEED = 17
 HANG_GUARD_S = 120.0
-IDLE_METRICS = (
-    "folio:num_requests_running",
-    "folio:num_requests_waiting",
-    "folio:num_requests_in_flight",
-    "folio:num_queued_prompt_tokens",
-    "folio:kv_cache_usage_perc",
-)
 
 
 async def _open(aclient: Any, index: int, max_tokens: int, n: int) -> Any:
@@ -88,11 +81,7 @@ def test_soak_of_careless_streams_leaks_nothing(server: ServerProcess, async_cli
     start = time.monotonic()
     outcomes = asyncio.run(run())
 
-    def idle() -> bool:
-        values = server.metrics()
-        return all(metric(values, name) == 0 for name in IDLE_METRICS)
-
-    assert wait_until(idle, HANG_GUARD_S), server.metrics()
+    assert wait_until(lambda: server_is_idle(server), HANG_GUARD_S), server.metrics()
     duration = time.monotonic() - start
     values = server.metrics()
     print(f"soak: {dict(outcomes)} in {duration:.1f} s; " + ", ".join(f"{m} {metric(values, m)}" for m in IDLE_METRICS))
