@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -38,6 +39,32 @@ def _memoized_loading() -> Iterator[None]:
     mp.setattr(llm_engine_module, "load_tokenizer", functools.cache(llm_engine_module.load_tokenizer))
     yield
     mp.undo()
+
+
+_LIVE_ENGINES: weakref.WeakSet[LLM] = weakref.WeakSet()  # every LLM built in this session and still alive
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _track_engines() -> Iterator[None]:
+    """Records every LLM built by the engine tests, so that ``_no_leaks_after_each_test`` can check them all."""
+    mp = pytest.MonkeyPatch()
+    original_init = LLM.__init__
+
+    def tracking_init(self: LLM, *args: Any, **kwargs: Any) -> None:
+        original_init(self, *args, **kwargs)
+        _LIVE_ENGINES.add(self)
+
+    mp.setattr(LLM, "__init__", tracking_init)
+    yield
+    mp.undo()
+
+
+@pytest.fixture(autouse=True)
+def _no_leaks_after_each_test() -> Iterator[None]:
+    """After every engine test, every live engine holds no request and no block, in either KV tier."""
+    yield
+    for engine in list(_LIVE_ENGINES):
+        assert_no_leaks(engine)
 
 
 @pytest.fixture(scope="session")
