@@ -132,12 +132,10 @@ class KVTransfer:
             self._load(*_last_wins(loads))
 
     def _store(self, src: list[int], dst: list[int]) -> None:
-        dst_idx = torch.tensor(dst, dtype=torch.long)
         if self.stream is None:
-            src_idx = torch.tensor(src, dtype=torch.long)
-            for device_cache, host_cache in zip(self.device_caches, self.host.caches, strict=True):
-                host_cache.index_copy_(1, dst_idx, device_cache.index_select(1, src_idx))
+            copy_blocks(self.device_caches, src, self.host.caches, dst)
             return
+        dst_idx = torch.tensor(dst, dtype=torch.long)
         compute = torch.cuda.current_stream(self.device)
         staged: list[torch.Tensor] = []
         with torch.cuda.stream(self.stream):
@@ -155,12 +153,10 @@ class KVTransfer:
             host_cache.index_copy_(1, dst_idx, pinned)
 
     def _load(self, src: list[int], dst: list[int]) -> None:
-        src_idx = torch.tensor(src, dtype=torch.long)
         if self.stream is None:
-            dst_idx = torch.tensor(dst, dtype=torch.long)
-            for device_cache, host_cache in zip(self.device_caches, self.host.caches, strict=True):
-                device_cache.index_copy_(1, dst_idx, host_cache.index_select(1, src_idx))
+            copy_blocks(self.host.caches, src, self.device_caches, dst)
             return
+        src_idx = torch.tensor(src, dtype=torch.long)
         compute = torch.cuda.current_stream(self.device)
         staged = []
         for host_cache in self.host.caches:  # gather on the host into pinned memory, so the copy can be async
@@ -176,3 +172,15 @@ class KVTransfer:
             done = torch.cuda.Event()
             done.record(self.stream)
         compute.wait_event(done)  # copy-on-write and the forward read the loaded blocks after this
+
+
+def copy_blocks(src_caches: list[torch.Tensor], src: list[int], dst_caches: list[torch.Tensor], dst: list[int]) -> None:
+    """Blocks src[i] of each layer's source cache into blocks dst[i] of its destination: one gather and one scatter
+    per layer, on one device (the host tier on the CPU, or copy-on-write within the device cache)."""
+    if not src_caches:  # the no-op model keeps no K/V
+        return
+    device = src_caches[0].device
+    src_idx = torch.tensor(src, dtype=torch.long, device=device)
+    dst_idx = torch.tensor(dst, dtype=torch.long, device=device)
+    for src_cache, dst_cache in zip(src_caches, dst_caches, strict=True):
+        dst_cache.index_copy_(1, dst_idx, src_cache.index_select(1, src_idx))

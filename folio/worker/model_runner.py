@@ -18,7 +18,7 @@ from folio.sample.sampler import Sampler
 from folio.step_timer import FORWARD, PREPARE_INPUTS, SAMPLE, StepTimer
 from folio.worker.decode_graphs import DecodeGraphs
 from folio.worker.input_batch import ModelInput, prepare_model_input
-from folio.worker.kv_offload import KVTransfer
+from folio.worker.kv_offload import KVTransfer, copy_blocks
 from folio.worker.request_state import CachedRequestState, RequestStates
 
 _SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (seed, step) pairs over the 64-bit space
@@ -129,10 +129,7 @@ class ModelRunner:
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: K and V of each src block into its dst block, in every layer, before anyone writes."""
-        src = torch.tensor([c[0] for c in copies], dtype=torch.long, device=self.device)
-        dst = torch.tensor([c[1] for c in copies], dtype=torch.long, device=self.device)
-        for kv_cache in self.kv_caches:
-            kv_cache[:, dst] = kv_cache[:, src]
+        copy_blocks(self.kv_caches, [c[0] for c in copies], self.kv_caches, [c[1] for c in copies])
 
     def _sampling_metadata(self, states: list[CachedRequestState]) -> SamplingMetadata:
         return SamplingMetadata.build(
