@@ -93,7 +93,30 @@ typedef struct {
     int64_t n;
     float *best_val;   /* [M, 16] or NULL */
     int32_t *best_col; /* [M, 16] */
+    struct ScreenState *screen; /* or, when set: the bfloat16 screen of a float32 LM head (gemm_screen_epilogue.h) */
 } Epilogue;
+
+#include "gemm_screen_epilogue.h"
+
+/* out_ids[r]: over every thread's 16 lanes of row r (best_val / best_col [threads][m][16], as the arg-max
+ * epilogue leaves them), the largest value and the first column among equals; 0 where nothing beat -FLT_MAX. */
+static void argmax_merge(const float *best_val, const int32_t *best_col, int64_t threads, int64_t m,
+                         int64_t *out_ids) {
+    for (int64_t r = 0; r < m; ++r) {
+        float value = -FLT_MAX;
+        int32_t col = INT32_MAX;
+        for (int64_t t = 0; t < threads; ++t)
+            for (int64_t l = 0; l < 16; ++l) {
+                const float v = best_val[(t * m + r) * 16 + l];
+                const int32_t c = best_col[(t * m + r) * 16 + l];
+                if (v > value || (v == value && c < col)) {
+                    value = v;
+                    col = c;
+                }
+            }
+        out_ids[r] = col == INT32_MAX ? 0 : col;
+    }
+}
 
 /* The weights a tile pulls toward L2 while it computes: one 64-byte line of the thread's next block every
  * (every_mask + 1) k steps, from next up to end. A block's row tiles split its successor between them, so the
@@ -155,6 +178,12 @@ static inline void store_scalar(const Epilogue *e, int64_t row, int64_t col, flo
 static inline void store16(const Epilogue *e, int64_t row, int64_t col, __m512 acc) {
     if (col >= e->n) return;
     const __mmask16 mask = e->n - col >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (e->n - col)) - 1);
+#ifdef __AVX512BF16__
+    if (e->screen != NULL) {
+        screen_store16(e->screen, row, col, acc, mask);
+        return;
+    }
+#endif
     if (e->bias != NULL) acc = _mm512_add_ps(acc, _mm512_maskz_loadu_ps(mask, e->bias + col));
     if (e->best_val != NULL) { /* columns ascend per lane, so a strict > keeps the first of equal values */
         float *best = e->best_val + row * 16;
@@ -370,3 +399,5 @@ FOR_EACH_TILE_ROWS(DEFINE_TILE_BF16)
 #undef PACKED_K
 #undef PACKED_AT
 #undef HAS_TILES
+
+#include "gemm_argmax_screen.h"

@@ -32,6 +32,16 @@ class PackedWeight:
     gemm: CpuGemm  # the library that packed it, and so the one that multiplies it
 
 
+@dataclass(frozen=True)
+class ArgmaxScreen:
+    """A float32 LM head's bfloat16 twin, for the greedy arg-max that screens in bfloat16 and rescores the few
+    columns that could win in float32 (gemm_argmax_screen.h): the same token as the float32 arg-max, faster."""
+
+    packed: PackedWeight  # the weight packed for bfloat16
+    w_norm: torch.Tensor  # [n] float32, at least each row's L2 norm
+    w_abs_max: float  # at least max |w|
+
+
 class CpuGemm:
     """The kernel's entry points for float32 and bfloat16."""
 
@@ -54,6 +64,11 @@ class CpuGemm:
             argmax.argtypes, argmax.restype = [_ptr, _i64, _ptr, _i64, _i64, _i64, _ptr, _int], _int
             self._numel[dtype], self._pack[dtype], self._gemm[dtype] = numel, pack, gemm
             self._argmax[dtype] = argmax
+        screened = lib.folio_gemm_argmax_screened_f32
+        # x, lda, packed_f32, packed_bf16, w_norm, w_abs_max, m, n, k, out_ids, num_threads
+        screened.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, ctypes.c_float, _i64, _i64, _i64, _ptr, _int]
+        screened.restype = _int
+        self._argmax_screened = screened
 
     @staticmethod
     def supports(weight: torch.Tensor) -> bool:
@@ -111,9 +126,14 @@ class CpuGemm:
         )
         return out
 
-    def argmax(self, x: torch.Tensor, weight: PackedWeight) -> torch.Tensor | None:
+    def argmax(self, x: torch.Tensor, weight: PackedWeight, screen: ArgmaxScreen | None = None) -> torch.Tensor | None:
         """x [T, k] -> [T] int64, the column of each row's largest entry of x @ W.T (the first of equals), without
-        writing the [T, n] product; None for T > 256 (the caller computes the product instead)."""
+        writing the [T, n] product; None for T > 256 (the caller computes the product instead). With a ``screen``
+        (float32 x), the same answer through the bfloat16 screen."""
+        if screen is not None and x.dtype == torch.float32:
+            out, status = self.screened_argmax(x, weight, screen)
+            if status != -2:
+                return out
         if x.stride(-1) != 1 or x.dim() != 2:
             x = x.reshape(-1, x.shape[-1]).contiguous()
         out = torch.empty(x.shape[0], dtype=torch.int64)
@@ -128,3 +148,41 @@ class CpuGemm:
             torch.get_num_threads(),
         )
         return out if status == 0 else None
+
+    def build_screen(self, weight: torch.Tensor) -> ArgmaxScreen | None:
+        """The bfloat16 screen of a float32 weight [n, k] for ``argmax``; None where it cannot apply (not float32,
+        an odd k, or a weight that is not finite)."""
+        if weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[1] % 2 or not weight.isfinite().all():
+            return None
+        wide = weight.double()
+        # rounded up: the bound must hold for the norms the kernel is given
+        w_norm = (wide.norm(dim=1) * (1 + 1e-6)).float().contiguous()
+        w_abs_max = float(wide.abs().max()) * (1 + 1e-6)
+        (packed,) = self.pack_all([weight.to(torch.bfloat16)])
+        return ArgmaxScreen(packed, w_norm, w_abs_max)
+
+    def screened_argmax(
+        self, x: torch.Tensor, weight: PackedWeight, screen: ArgmaxScreen
+    ) -> tuple[torch.Tensor | None, int]:
+        """``argmax`` of float32 x through the screen; also the kernel's status: 0 screened, 1 the exact path
+        taken instead (non-finite or huge x, too many candidates), -1 not run (T > 256), -2 not in this library
+        (no vdpbf16ps)."""
+        if x.stride(-1) != 1 or x.dim() != 2:
+            x = x.reshape(-1, x.shape[-1]).contiguous()
+        out = torch.empty(x.shape[0], dtype=torch.int64)
+        status = int(
+            self._argmax_screened(
+                x.data_ptr(),
+                x.stride(0),
+                weight.data.data_ptr(),
+                screen.packed.data.data_ptr(),
+                screen.w_norm.data_ptr(),
+                screen.w_abs_max,
+                x.shape[0],
+                weight.n,
+                weight.k,
+                out.data_ptr(),
+                torch.get_num_threads(),
+            )
+        )
+        return (out if status in (0, 1) else None), status

@@ -40,7 +40,7 @@ static void CAT(tile_, SUFFIX)(const ELEM_T *x, int64_t lda, const ELEM_T *wb, i
 static void CAT(gemm_body_, SUFFIX)(const ELEM_T *x, int64_t lda, const ELEM_T *packed, const float *bias, void *out,
                                     int out_is_bf16, int64_t ldc, int64_t m, int64_t n, int64_t k,
                                     SidePrefetch *side) {
-    const Epilogue e = {out, out_is_bf16, ldc, bias, n, NULL, NULL};
+    const Epilogue e = {out, out_is_bf16, ldc, bias, n, NULL, NULL, NULL};
     const int64_t blocks = num_blocks(n), chunks = (m + CHUNK_M - 1) / CHUNK_M;
     /* chunks of equal size (in whole tiles): with a short last chunk the static split below left one thread idle
      * for most of a prefill of a few hundred rows (M = 406, float32: 353-387 GFLOP/s against 458-496 at 2048) */
@@ -93,7 +93,7 @@ int CAT(folio_gemm_argmax_, SUFFIX)(const ELEM_T *x, int64_t lda, const ELEM_T *
 #pragma omp parallel num_threads(num_threads)
     {
         const int64_t tid = omp_get_thread_num();
-        const Epilogue e = {NULL, 0, 0, NULL, n, best_val + tid * m * 16, best_col + tid * m * 16};
+        const Epilogue e = {NULL, 0, 0, NULL, n, best_val + tid * m * 16, best_col + tid * m * 16, NULL};
         const int64_t block_elems = PACKED_K(k) * BLOCK_N;
         const int64_t ntiles = (m + TILE_M - 1) / TILE_M;
 #pragma omp for schedule(static)
@@ -106,21 +106,7 @@ int CAT(folio_gemm_argmax_, SUFFIX)(const ELEM_T *x, int64_t lda, const ELEM_T *
             }
         }
     }
-    /* every thread's 16 lanes of a row: the largest value, the first column among equals */
-    for (int64_t r = 0; r < m; ++r) {
-        float value = -FLT_MAX;
-        int32_t col = INT32_MAX;
-        for (int64_t t = 0; t < num_threads; ++t)
-            for (int64_t l = 0; l < 16; ++l) {
-                const float v = best_val[(t * m + r) * 16 + l];
-                const int32_t c = best_col[(t * m + r) * 16 + l];
-                if (v > value || (v == value && c < col)) {
-                    value = v;
-                    col = c;
-                }
-            }
-        out_ids[r] = col == INT32_MAX ? 0 : col;
-    }
+    argmax_merge(best_val, best_col, num_threads, m, out_ids);
     free(best_val);
     free(best_col);
     return 0;

@@ -24,6 +24,9 @@ FOLIO_MIN_TIER: dict[str, IsaTier] = {
     "decode_attention": IsaTier.AVX2,
     "prefill_attention": IsaTier.AVX2,
     "elementwise": IsaTier.AVX2,
+    # a float32 greedy LM head screened in bfloat16 and rescored in float32 (the float32 arg-max exactly): needs
+    # vdpbf16ps, twice the float32 FMA's work per instruction; widened bfloat16 does the float32 FMA's work
+    "lm_head_bf16_screen": IsaTier.AVX512_BF16,
 }
 
 
@@ -51,7 +54,8 @@ class CpuPlan:
     tier: IsaTier
     dtype_name: str  # "float32" or "bfloat16"
     gemm: str
-    lm_head_argmax: str  # the greedy step's LM head without writing the logits: Folio's GEMM only
+    lm_head_argmax: str  # the greedy step's LM head without writing the logits: Folio's GEMM ("folio"), or in
+    # float32 its bfloat16 screen with a float32 rescore ("folio_bf16_screen"), or "off"
     decode_attention: str
     prefill_attention: str
     elementwise: str  # RMSNorm + residual, rotary, SiLU-and-mul, the K/V write
@@ -82,9 +86,16 @@ def choose_cpu_plan(tier: IsaTier, dtype_name: str, have_compiler: bool = True, 
         tier=tier,
         dtype_name=dtype_name,
         gemm=gemm,
-        lm_head_argmax="folio" if gemm == "folio" else "off",
+        lm_head_argmax=_lm_head_argmax(gemm, dtype_name, folio_or("lm_head_bf16_screen", "") == "folio"),
         decode_attention=decode,
         prefill_attention=prefill,
         elementwise=elementwise,
         fused_decoder="folio" if all_folio else "off",
     )
+
+
+def _lm_head_argmax(gemm: str, dtype_name: str, screen_runs: bool) -> str:
+    """Folio's fused arg-max needs Folio's GEMM; a float32 one is screened in bfloat16 where vdpbf16ps exists."""
+    if gemm != "folio":
+        return "off"
+    return "folio_bf16_screen" if dtype_name == "float32" and screen_runs else "folio"

@@ -20,7 +20,7 @@ from torch import nn
 
 from folio.attention.backends.base import AttentionBackend
 from folio.attention.metadata import AttnMetadata
-from folio.kernels.cpu_gemm import PackedWeight
+from folio.kernels.cpu_gemm import ArgmaxScreen, PackedWeight
 from folio.kernels.cpu_kernels import CpuKernels
 from folio.model.cpu_fused import FusedCpuDecoder
 from folio.model.layers.activation import silu_and_mul
@@ -158,6 +158,7 @@ class LlamaForCausalLM(nn.Module):
         # Tied embeddings: compute_logits reads the embedding matrix; there is no separate lm_head.
         self.lm_head = None if spec.tie_word_embeddings else Linear(spec.hidden_size, spec.vocab_size)
         self.tied_lm_head_packed: Any = None  # set by pack_for_cpu when embeddings are tied
+        self.lm_head_screen: ArgmaxScreen | None = None  # set by pack_for_cpu where the plan screens the arg-max
 
     def forward(
         self,
@@ -183,15 +184,18 @@ class LlamaForCausalLM(nn.Module):
         head = self.tied_lm_head_packed if self.lm_head is None else self.lm_head.packed_weight
         if not isinstance(head, PackedWeight) or (self.lm_head is not None and self.lm_head.bias is not None):
             return None
-        return head.gemm.argmax(hidden, head)
+        return head.gemm.argmax(hidden, head, self.lm_head_screen)
 
     def pack_for_cpu(self, kernels: CpuKernels) -> None:
         """Packs every projection and the LM head (folio.model.layers.cpu_gemm), all in one arena; call after
         loading. A tied LM head gets a packed copy: the embedding lookup still needs the plain matrix."""
         linears = [m for m in self.modules() if isinstance(m, Linear)]
         weights = [m.weight.data for m in linears]
+        head_weight = self.model.embed_tokens.weight.data if self.lm_head is None else self.lm_head.weight.data
+        if kernels.plan.lm_head_argmax == "folio_bf16_screen" and kernels.gemm is not None:
+            self.lm_head_screen = kernels.gemm.build_screen(head_weight)
         if self.lm_head is None:
-            weights.append(self.model.embed_tokens.weight.data)
+            weights.append(head_weight)
         packed = pack_weights(weights, kernels)
         for module, packed_weight in zip(linears, packed, strict=False):
             module.adopt_packed(packed_weight)

@@ -12,7 +12,8 @@ from typing import Any
 
 import pytest
 
-from folio import LLM
+from folio import LLM, SamplingParams
+from folio.bench.datasets import DEFAULT_W1_PATH, load_w1
 from folio.kernels.isa import IsaTier
 from tests.engine.conftest import TEST_KV_BYTES, assert_no_leaks, greedy_verdicts
 from tests.engine.greedy_compare import GreedyRun
@@ -40,3 +41,30 @@ def test_each_tier_matches_transformers(
 def test_bfloat16_below_avx512_is_refused_with_the_way_out() -> None:
     with pytest.raises(ValueError, match="dtype bfloat16 on the CPU needs the avx512 ISA tier.*use dtype float32"):
         LLM(dtype="bfloat16", cpu_isa="generic", kv_cache_memory_bytes=TEST_KV_BYTES)
+
+
+def test_bf16_screened_lm_head_gives_the_float32_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the plan screens the float32 greedy LM head in bfloat16 (avx512_bf16), every greedy token of 24 W1
+    prompts is the one the float32 arg-max picks, and the screen did the work (status 0 at every step)."""
+    llm = LLM(dtype="float32", kv_cache_memory_bytes=TEST_KV_BYTES)
+    model = llm.llm_engine.executor.worker.model
+    if model.lm_head_screen is None:
+        pytest.skip("no bfloat16 screen below the avx512_bf16 tier")
+    gemm = model.tied_lm_head_packed.gemm
+    statuses: list[int] = []
+    screened_argmax = gemm.screened_argmax
+
+    def recording(*args: Any) -> Any:
+        out, status = screened_argmax(*args)
+        statuses.append(status)
+        return out, status
+
+    monkeypatch.setattr(gemm, "screened_argmax", recording)
+    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in load_w1(str(DEFAULT_W1_PATH), 24, 32)]
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    screened = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert statuses and set(statuses) == {0}, statuses
+    model.lm_head_screen = None
+    exact = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert screened == exact
+    assert_no_leaks(llm)
