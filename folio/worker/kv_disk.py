@@ -186,7 +186,7 @@ class DiskKVTransfer:
             if batch:
                 blocks = _gather(caches, [store.block_id for store in batch])  # [n, layers, 2, ...] on the CPU
                 for store, block in zip(batch, blocks, strict=True):
-                    self.files.write(store.block_hash, memoryview(block.view(torch.uint8).numpy()).cast("B"))
+                    self.files.write(store.block_hash, block.view(torch.uint8).numpy().data.cast("B"))
 
     def load(self, loads: list[tuple[int, int]]) -> list[tuple[int, int]]:
         """(block hash, device block id) pairs read into the device cache; returns those that failed."""
@@ -197,7 +197,7 @@ class DiskKVTransfer:
         done: list[tuple[int, int]] = []  # (staging row, device block id)
         failed: list[tuple[int, int]] = []
         for index, (block_hash, device_block_id) in enumerate(loads):
-            if self.files.read_into(block_hash, memoryview(staging[index].numpy()).cast("B")):
+            if self.files.read_into(block_hash, staging[index].numpy().data.cast("B")):
                 done.append((index, device_block_id))
             else:
                 failed.append((block_hash, device_block_id))
