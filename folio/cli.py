@@ -67,6 +67,22 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "available; default 0: no host tier)",
     )
     g.add_argument(
+        "--kv-offloading-disk-path",
+        default=d.kv_offloading_disk_path,
+        metavar="DIR",
+        help="a directory for a third KV tier under the host tier (needs --kv-offloading-size): blocks the host tier "
+        "drops are written there as files named by block hash, in a subdirectory per model and KV layout, so that a "
+        "restarted server finds its prefix cache warm (default: no disk tier)",
+    )
+    g.add_argument(
+        "--kv-offloading-disk-size",
+        type=float,
+        default=d.kv_offloading_disk_size,
+        metavar="GIB",
+        help="GiB of block files in --kv-offloading-disk-path (must fit the free disk space; the least recently "
+        "used files are deleted beyond it)",
+    )
+    g.add_argument(
         "--preemption-mode",
         default=d.preemption_mode,
         choices=PREEMPTION_MODES,

@@ -50,12 +50,36 @@ class CacheConfig:
     num_gpu_blocks_override: int | None = None
     kv_offloading_size: float = 0.0  # GiB of host memory for the host KV tier (vLLM's name); 0: no host tier
     num_host_blocks: int = 0  # resolved by the worker from kv_offloading_size and the bytes of one block
+    # A disk tier under the host tier (a directory, GiB of files); worker/kv_disk.py resolves its blocks and the
+    # hashes it finds there at start (oldest first), which the core's index starts from.
+    kv_offloading_disk_path: str | None = None
+    kv_offloading_disk_size: float = 0.0
+    num_disk_blocks: int = 0
+    disk_block_hashes: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if not self.kv_offloading_size >= 0:  # NaN fails too
             raise ValueError(f"kv_offloading_size must be >= 0 (GiB), got {self.kv_offloading_size}")
+        self._check_disk_tier()
+
+    def _check_disk_tier(self) -> None:
+        if not self.kv_offloading_disk_size >= 0:  # NaN fails too
+            raise ValueError(f"kv_offloading_disk_size must be >= 0 (GiB), got {self.kv_offloading_disk_size}")
+        if self.kv_offloading_disk_path is None:
+            if self.kv_offloading_disk_size > 0:
+                raise ValueError("kv_offloading_disk_size needs kv_offloading_disk_path (the directory of the files)")
+            return
+        if self.kv_offloading_disk_size == 0:
+            raise ValueError("kv_offloading_disk_path needs kv_offloading_disk_size (GiB) > 0")
+        if self.kv_offloading_size == 0:
+            raise ValueError(
+                "kv_offloading_disk_path needs a host KV tier (the disk tier sits under it): set kv_offloading_size "
+                "(GiB) > 0"
+            )
+        if not self.enable_prefix_caching:
+            raise ValueError("kv_offloading_disk_path needs enable_prefix_caching (the disk tier is a prefix cache)")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
@@ -128,6 +152,8 @@ class EngineArgs:
     scheduling_policy: str = "fcfs"
     long_prefill_token_threshold: int = 0
     kv_offloading_size: float = 0.0  # GiB of host memory for the host KV tier (vLLM's name); 0: off
+    kv_offloading_disk_path: str | None = None  # a directory for a disk tier under the host tier; None: off
+    kv_offloading_disk_size: float = 0.0  # GiB of files in it
     preemption_mode: str | None = None  # "swap" or "recompute"; None: swap when a host tier exists
     device: str = "auto"
     model_impl: str = "auto"  # "noop": engine-overhead benchmarks only (constant logits, no weights loaded)
@@ -165,6 +191,8 @@ class EngineArgs:
                 gpu_memory_utilization=self.gpu_memory_utilization,
                 num_gpu_blocks_override=self.num_gpu_blocks_override,
                 kv_offloading_size=self.kv_offloading_size,
+                kv_offloading_disk_path=self.kv_offloading_disk_path,
+                kv_offloading_disk_size=self.kv_offloading_disk_size,
             ),
             scheduler_config=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,

@@ -2,12 +2,15 @@
 
 The FakeWorker is a stand-in for the real model runner that keeps the contract honest: it tracks each request's
 state only from SchedulerOutput (like the real worker), stores in a fake KV cache the token id of each position
-(standing in for its K/V), applies copy-on-write plans, and before "sampling" reads the whole context back
-through the block table and asserts it equals the request's tokens. A wrong block id, a missed copy, a prefix
-hit on unwritten blocks or an off-by-one in num_computed_tokens fails there. It runs the host tier's plans on its own
-fake host blocks (stores, then loads, then copy-on-write, as the real worker), so a wrong store or load plan
-reads back the wrong tokens there too. Sampling is a deterministic
-function of (request id, context), so a preempted request must resume producing exactly the same tokens.
+(standing in for its K/V), applies copy-on-write plans, and before "sampling" reads the whole context back through
+the block table and asserts it equals the request's tokens. A wrong block id, a missed copy, a prefix hit on
+unwritten blocks or an off-by-one in num_computed_tokens fails there. It runs the host tier's plans on its own fake
+host blocks (stores, then loads, then copy-on-write, as the real worker), so a wrong store or load plan reads back
+the wrong tokens there too. The disk tier's plans run on a fake disk (a dict by block hash, which a test may share
+between workers to restart, or edit to lose a file) in the real worker's order; a disk load of a hash the fake disk
+lacks fails as in the real worker: the request is left out of the step and reported, and it is dropped (it comes
+back as new). Sampling is a deterministic function of (request id, context), so a preempted request must resume
+producing exactly the same tokens.
 """
 
 from __future__ import annotations
@@ -60,6 +63,8 @@ def make_scheduler(
     enable_prefix_caching: bool = True,
     num_host_blocks: int = 0,
     preemption_mode: str | None = None,
+    num_disk_blocks: int = 0,
+    disk_block_hashes: Sequence[int] = (),
 ) -> Scheduler:
     config = SchedulerConfig(
         max_num_seqs=max_num_seqs,
@@ -69,7 +74,10 @@ def make_scheduler(
         long_prefill_token_threshold=long_prefill_token_threshold,
         preemption_mode=preemption_mode,
     )
-    return Scheduler(config, KVCacheManager(num_blocks, block_size, enable_prefix_caching, num_host_blocks))
+    manager = KVCacheManager(
+        num_blocks, block_size, enable_prefix_caching, num_host_blocks, num_disk_blocks, disk_block_hashes
+    )
+    return Scheduler(config, manager)
 
 
 @dataclass
@@ -90,6 +98,7 @@ class FakeWorker:
     script: dict[str, list[int]] = field(default_factory=dict)  # req_id -> tokens to sample, in order
     requests: dict[str, _WorkerRequest] = field(default_factory=dict)
     num_host_blocks: int = 0
+    disk: dict[int, list[int | None]] = field(default_factory=dict)  # block hash -> the block's contents
 
     def __post_init__(self) -> None:
         self.kv: list[list[int | None]] = [[None] * self.block_size for _ in range(self.num_blocks)]
@@ -111,20 +120,44 @@ class FakeWorker:
             for index, block_id in cached.replaced_block_ids[i]:
                 state.block_ids[index] = block_id
             state.block_ids.extend(cached.new_block_ids[i])
+        for block_hash in so.kv_disk.deletes:
+            self.disk.pop(block_hash, None)  # a lost file is deleted too
+        for store in so.kv_disk.stores:
+            assert store.block_hash not in self.disk, f"disk block {store.block_hash:#x} written twice"
+            self.disk[store.block_hash] = list((self.kv if store.from_device else self.host_kv)[store.block_id])
         for device_block_id, host_block_id in so.kv_stores:
             self.host_kv[host_block_id] = list(self.kv[device_block_id])
         for host_block_id, device_block_id in so.kv_loads:
             self.kv[device_block_id] = list(self.host_kv[host_block_id])
+        failed_blocks, failed_hashes = set(), []
+        for block_hash, device_block_id in so.kv_disk.loads:
+            if block_hash in self.disk:
+                self.kv[device_block_id] = list(self.disk[block_hash])
+            else:
+                failed_blocks.add(device_block_id)
+                failed_hashes.append(block_hash)
         for src, dst in so.block_copies:
             self.kv[dst] = list(self.kv[src])
         assert so.total_num_scheduled_tokens == sum(so.num_scheduled_tokens.values())
-        for req_id, num_tokens in so.num_scheduled_tokens.items():
-            self._write(self.requests[req_id], num_tokens)
-        req_ids, sampled = [], []
+        failures = {}
         for req_id in so.num_scheduled_tokens:
-            req_ids.append(req_id)
-            sampled.append(self._attend_and_sample(req_id, self.requests[req_id]))
-        return ModelRunnerOutput(req_ids, sampled, [None] * len(req_ids))
+            state = self.requests[req_id]
+            failed = [i for i, block_id in enumerate(state.block_ids) if block_id in failed_blocks]
+            if failed:
+                failures[req_id] = failed[0] * self.block_size
+        for req_id in failures:  # left out of the step and dropped: it comes back as new
+            del self.requests[req_id]
+        req_ids, sampled = [], []
+        for req_id, num_tokens in so.num_scheduled_tokens.items():
+            if req_id not in failures:
+                self._write(self.requests[req_id], num_tokens)
+        for req_id in so.num_scheduled_tokens:
+            if req_id not in failures:
+                req_ids.append(req_id)
+                sampled.append(self._attend_and_sample(req_id, self.requests[req_id]))
+        return ModelRunnerOutput(
+            req_ids, sampled, [None] * len(req_ids), kv_load_failures=failures, failed_disk_hashes=failed_hashes
+        )
 
     def _write(self, state: _WorkerRequest, num_tokens: int) -> None:
         start = state.num_computed_tokens

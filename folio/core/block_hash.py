@@ -17,6 +17,9 @@ from collections.abc import Hashable, Sequence
 from folio.request import Request
 
 ExtraKeys = tuple[Hashable, ...]
+# Bump when hash_block_tokens changes: the disk tier's files are named by these hashes (worker/kv_disk.py puts the
+# version in its fingerprint), and files named under another scheme must never be found.
+BLOCK_HASH_VERSION = 1
 
 
 def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int], extra_keys: ExtraKeys | None = None) -> int:

@@ -14,6 +14,9 @@ its owner is preempted before its step ran.
 With a host tier (``num_host_blocks`` > 0, core/offload.py) a cached device block about to be reused is stored
 there first, ``get_computed_blocks`` continues the chain there (the hits are loaded into fresh device blocks), and
 ``swap_out`` moves a preempted request's blocks there; ``take_kv_plans`` hands the step's copies to the scheduler.
+With a disk tier under it (``num_disk_blocks`` > 0, core/disk_tier.py) a cached host block about to be reused is
+written to disk first, the chain continues block by block in the host tier or else on disk (disk hits are loaded
+straight into fresh device blocks), and ``take_disk_plans`` hands the step's file operations to the scheduler.
 """
 
 from __future__ import annotations
@@ -22,7 +25,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from folio.core.block_pool import BlockPool, KVCacheBlock
+from folio.core.disk_tier import DiskKVTier
 from folio.core.offload import HostKVTier
+from folio.core.sched_output import KVDiskPlans
 from folio.request import Request
 
 
@@ -44,8 +49,15 @@ class KVCacheManager:
     """Maps request ids to their ordered KV block lists and keeps prefix-cache statistics (in tokens)."""
 
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, num_host_blocks: int = 0
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        num_host_blocks: int = 0,
+        num_disk_blocks: int = 0,
+        disk_block_hashes: Sequence[int] = (),
     ) -> None:
+        """``disk_block_hashes``: the hashes whose files the disk tier's directory holds at start, oldest first."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
@@ -62,8 +74,16 @@ class KVCacheManager:
         self.host_tier = HostKVTier(num_host_blocks) if num_host_blocks > 0 else None
         if self.host_tier is not None and enable_prefix_caching:
             self.block_pool.on_evict = self.host_tier.store_evicted
-        # (request id, host blocks) found by the last get_computed_blocks, for the allocate_slots that follows it.
-        self._host_hits: tuple[str, list[KVCacheBlock]] | None = None
+        if num_disk_blocks < 0:
+            raise ValueError(f"num_disk_blocks must be >= 0, got {num_disk_blocks}")
+        if num_disk_blocks > 0 and self.host_tier is None:
+            raise ValueError("a disk KV tier needs a host KV tier under the device (num_host_blocks > 0)")
+        self.disk_tier = DiskKVTier(num_disk_blocks, disk_block_hashes) if num_disk_blocks > 0 else None
+        if self.host_tier is not None and self.disk_tier is not None and enable_prefix_caching:
+            self.host_tier.pool.on_evict = self._store_to_disk
+        # (request id, hits past the device's) found by the last get_computed_blocks, for the allocate_slots that
+        # follows it: a host block, or a block hash held by the disk tier.
+        self._lower_hits: tuple[str, list[KVCacheBlock | int]] | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -92,10 +112,11 @@ class KVCacheManager:
         Capped so that at least one token is recomputed (the model needs the last position's logits):
         hit tokens <= num_tokens - 1, in whole blocks. Example (block_size 4): 8 tokens with both blocks cached ->
         1 block, 4 tokens. Changes no ref count (``allocate_slots`` takes the references); counts the query.
-        The host tier continues the chain after the device blocks: those hits count in the tokens (not in the
-        blocks) and ``allocate_slots`` loads them. A swapped-out request gets ([], its num_computed_tokens).
+        The host tier (or, block by block where it misses, the disk tier) continues the chain after the device
+        blocks: those hits count in the tokens (not in the blocks) and ``allocate_slots`` loads them. A swapped-out
+        request gets ([], its num_computed_tokens).
         """
-        self._host_hits = None
+        self._lower_hits = None
         swapped = self.host_tier.num_swapped_blocks(request.request_id) if self.host_tier is not None else None
         if swapped is not None:
             return [], request.num_computed_tokens
@@ -112,11 +133,25 @@ class KVCacheManager:
         self.prefix_cache_queries += request.num_tokens
         self.prefix_cache_hits += num_computed_tokens
         if self.host_tier is not None:
-            host_hits = self.host_tier.find_chain(request.block_hashes[len(computed_blocks) : max_num_blocks])
-            self.host_tier.record_query(request.num_tokens - num_computed_tokens, len(host_hits) * self.block_size)
-            self._host_hits = (request.request_id, host_hits)
-            num_computed_tokens += len(host_hits) * self.block_size
+            lower_hits = self._find_lower_chain(request.block_hashes[len(computed_blocks) : max_num_blocks])
+            self.host_tier.record_query(request.num_tokens - num_computed_tokens, len(lower_hits) * self.block_size)
+            self._lower_hits = (request.request_id, lower_hits)
+            num_computed_tokens += len(lower_hits) * self.block_size
         return computed_blocks, num_computed_tokens
+
+    def _find_lower_chain(self, block_hashes: Sequence[int]) -> list[KVCacheBlock | int]:
+        """Per hash its host block, else the hash if the disk tier holds it; stops at the first block in neither."""
+        assert self.host_tier is not None
+        hits: list[KVCacheBlock | int] = []
+        for block_hash in block_hashes:
+            block = self.host_tier.pool.get_cached_block(block_hash)
+            if block is not None:
+                hits.append(block)
+            elif self.disk_tier is not None and block_hash in self.disk_tier:
+                hits.append(block_hash)
+            else:
+                break
+        return hits
 
     def allocate_slots(
         self,
@@ -133,17 +168,17 @@ class KVCacheManager:
         reviving them takes them out of the free queue.
         Returns None and changes nothing if that many blocks are not free. Otherwise takes a reference on the hit
         blocks, applies copy-on-write (fresh blocks taken first for copies, then for the tail) and returns the diff.
-        Host tier: the first fresh blocks receive the loads of the host hits of the preceding
+        Host and disk tiers: the first fresh blocks receive the loads of the hits of the preceding
         ``get_computed_blocks`` (its tokens beyond ``new_computed_blocks``) or of a swapped-out request's blocks.
         """
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
         req_id = request.request_id
-        host_hits, self._host_hits = self._host_hits, None
-        num_host_hit_tokens = num_new_computed_tokens - len(new_computed_blocks) * self.block_size
-        if num_host_hit_tokens > 0 and (host_hits is None or host_hits[0] != req_id):
-            raise ValueError(f"{num_host_hit_tokens} computed tokens of {req_id} beyond its blocks, without host hits")
-        loaded = host_hits[1][: num_host_hit_tokens // self.block_size] if host_hits and num_host_hit_tokens else []
+        lower_hits, self._lower_hits = self._lower_hits, None
+        num_lower_hit_tokens = num_new_computed_tokens - len(new_computed_blocks) * self.block_size
+        if num_lower_hit_tokens > 0 and (lower_hits is None or lower_hits[0] != req_id):
+            raise ValueError(f"{num_lower_hit_tokens} computed tokens of {req_id} beyond its blocks, without hits")
+        loaded = lower_hits[1][: num_lower_hit_tokens // self.block_size] if lower_hits and num_lower_hit_tokens else []
         req_blocks = self.req_to_blocks.get(req_id, [])
         if new_computed_blocks and req_blocks:
             raise ValueError(f"prefix hits for {req_id}, which already holds blocks")
@@ -156,8 +191,7 @@ class KVCacheManager:
             return None
 
         self.block_pool.touch(new_computed_blocks)
-        if self.host_tier is not None:
-            self.host_tier.pin(loaded)  # before taking device blocks: their eviction stores must not reuse them
+        self._pin(loaded)  # before taking device blocks: their eviction stores must not reuse or drop these
         result = AllocationResult()
         for index in cow_indices:
             old_block = req_blocks[index]
@@ -177,12 +211,23 @@ class KVCacheManager:
         self._num_cached_blocks[req_id] = self._num_cached_blocks.get(req_id, 0) + len(new_computed_blocks)
         return result
 
-    def _plan_loads(self, req_id: str, host_hits: list[KVCacheBlock], fresh_block_ids: list[int]) -> None:
-        """Host hits, or a swapped request's blocks, are loaded into the first fresh device blocks."""
+    def _pin(self, hits: list[KVCacheBlock | int]) -> None:
+        if self.host_tier is not None:
+            self.host_tier.pin([hit for hit in hits if isinstance(hit, KVCacheBlock)])
+        if self.disk_tier is not None:
+            self.disk_tier.pin([hit for hit in hits if isinstance(hit, int)])
+
+    def _plan_loads(self, req_id: str, hits: list[KVCacheBlock | int], fresh_block_ids: list[int]) -> None:
+        """Host and disk hits, or a swapped request's blocks, are loaded into the first fresh device blocks."""
         if self.host_tier is None:
             return
-        if host_hits:
-            self.host_tier.load_hits(host_hits, fresh_block_ids[: len(host_hits)])
+        pairs = list(zip(hits, fresh_block_ids, strict=False))
+        host_pairs = [(hit, block_id) for hit, block_id in pairs if isinstance(hit, KVCacheBlock)]
+        if host_pairs:
+            self.host_tier.load_hits([hit for hit, _ in host_pairs], [block_id for _, block_id in host_pairs])
+        disk_pairs = [(hit, block_id) for hit, block_id in pairs if isinstance(hit, int)]
+        if disk_pairs and self.disk_tier is not None:
+            self.disk_tier.load_hits([hit for hit, _ in disk_pairs], [block_id for _, block_id in disk_pairs])
         num_swapped = self.host_tier.num_swapped_blocks(req_id)
         if num_swapped is not None:
             self.host_tier.swap_in(req_id, fresh_block_ids[:num_swapped])
@@ -251,6 +296,38 @@ class KVCacheManager:
         self._free_device_blocks(request)
         return True
 
+    def _store_to_disk(self, host_block_id: int, block_hash: int) -> None:
+        """The host pool's on_evict: a cached host block is about to be reused; keep its K/V on disk. If this step
+        stored it from a device block, its K/V are still in that device block only (stores run before loads)."""
+        assert self.host_tier is not None and self.disk_tier is not None
+        device_block_id = self.host_tier.stored_from.get(host_block_id)
+        if device_block_id is None:
+            self.disk_tier.store(block_hash, host_block_id)
+        else:
+            self.disk_tier.store(block_hash, device_block_id, from_device=True)
+
+    def plan_disk_flush(self) -> None:
+        """Shutdown: plan disk stores of every cached block of the host tier, then of the device (a hash on disk
+        already becomes the most recently used), so that a restarted engine finds all of them warm. Oldest first:
+        when they do not all fit, the disk tier keeps the most recent. Take the plans with ``take_disk_plans``."""
+        if self.disk_tier is None or self.host_tier is None or not self.enable_prefix_caching:
+            return
+        for pool, from_device in ((self.host_tier.pool, False), (self.block_pool, True)):
+            free = pool.free_block_queue.get_all_free_blocks()
+            held = [block for block in pool.blocks if block.ref_count > 0]
+            for block in [*free, *held]:
+                if block.block_hash is not None and pool.get_cached_block(block.block_hash) is block:
+                    self.disk_tier.store(block.block_hash, block.block_id, from_device)
+
+    def take_disk_plans(self) -> KVDiskPlans:
+        """The disk tier's plans since the last call, for this step's SchedulerOutput; unpins its loads."""
+        return self.disk_tier.take_plans() if self.disk_tier is not None else KVDiskPlans()
+
+    def forget_disk_blocks(self, block_hashes: Sequence[int]) -> None:
+        """The worker could not load these from disk: the disk tier drops them."""
+        if self.disk_tier is not None:
+            self.disk_tier.forget(block_hashes)
+
     def is_swapped_out(self, request_id: str) -> bool:
         return self.host_tier is not None and self.host_tier.num_swapped_blocks(request_id) is not None
 
@@ -279,12 +356,14 @@ class KVCacheManager:
         self._num_cached_blocks[child_id] = min(self._num_cached_blocks.get(parent_request_id, 0), num_prompt_blocks)
 
     def reset_prefix_cache(self) -> bool:
-        """Forget all cached prefixes, in both tiers; only possible while no block is in use. Returns success."""
+        """Forget all cached prefixes, in every tier; only possible while no block is in use. Returns success."""
         if self.host_tier is not None and self.host_tier.usage > 0:
             return False
         if not self.block_pool.reset_prefix_cache():
             return False
-        return self.host_tier is None or self.host_tier.reset_prefix_cache()
+        if self.host_tier is not None and not self.host_tier.reset_prefix_cache():
+            return False
+        return self.disk_tier is None or self.disk_tier.reset()
 
     def find_leaks(self) -> list[str]:
         """Problems that mean blocks leaked; empty once every request ended: all blocks free, every ref_count 0."""
@@ -298,6 +377,8 @@ class KVCacheManager:
             problems.append(f"(block id, ref_count) not 0: {referenced}")
         if self.host_tier is not None:
             problems.extend(f"host tier: {problem}" for problem in self.host_tier.find_leaks())
+        if self.disk_tier is not None:
+            problems.extend(f"disk tier: {problem}" for problem in self.disk_tier.find_leaks())
         return problems
 
     def assert_no_leaks(self) -> None:

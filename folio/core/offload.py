@@ -10,6 +10,8 @@ Who holds a host block (ref_count):
     a host block being loaded in a step must not be reused by a store of the same step.
 A host block with ref_count 0 is free: in the LRU free queue, still findable by its hash (a prefix cache that
 survives device eviction) until a store reuses it. Stored and loaded blocks go to the tail (most recently used).
+With a disk tier (core/disk_tier.py), the pool's ``on_evict`` writes a cached host block to disk before a store or
+a swap-out reuses it; ``stored_from`` tells it where a host block stored earlier in the same step still is.
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ class HostKVTier:
         self._pinned: list[KVCacheBlock] = []  # sources of this step's loads (one reference each)
         self._stores: list[tuple[int, int]] = []  # (device block id, host block id)
         self._loads: list[tuple[int, int]] = []  # (host block id, device block id)
+        # host block id -> the device block its last store of this step reads: a host block dropped again in the same
+        # step holds that device block's K/V, not its own yet (the disk tier stores it from there)
+        self.stored_from: dict[int, int] = {}
         self.num_blocks_to_cpu_total = 0  # stores planned
         self.num_blocks_to_device_total = 0  # loads planned
         self.external_prefix_cache_queries = 0  # tokens looked up here (those not found on the device)
@@ -136,6 +141,7 @@ class HostKVTier:
         """This step's (stores, loads), emptied; the loaded host blocks are unpinned (to the LRU tail)."""
         stores, loads = self._stores, self._loads
         self._stores, self._loads = [], []
+        self.stored_from.clear()
         pinned, self._pinned = self._pinned, []
         self.pool.free_blocks(pinned)
         return stores, loads
@@ -158,6 +164,7 @@ class HostKVTier:
 
     def _plan_store(self, device_block_id: int, host_block_id: int) -> None:
         self._stores.append((device_block_id, host_block_id))
+        self.stored_from[host_block_id] = device_block_id
         self.num_blocks_to_cpu_total += 1
 
     def _plan_loads(self, host_blocks: Sequence[KVCacheBlock], device_block_ids: Sequence[int]) -> None:

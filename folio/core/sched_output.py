@@ -7,6 +7,7 @@ Out of the core to the frontend: ``EngineCoreOutput``. ``Request`` objects never
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from folio.request import FinishReason
 from folio.sampling_params import SamplingParams
@@ -39,6 +40,29 @@ class CachedRequestData:
         return len(self.req_ids)
 
 
+class DiskStore(NamedTuple):
+    """Write one block to the disk tier, as the file of ``block_hash``. The source is the host block ``block_id``, or
+    (``from_device``) the device block it was stored from in this same step and dropped again before the step ran."""
+
+    block_hash: int
+    block_id: int
+    from_device: bool = False
+
+
+@dataclass
+class KVDiskPlans:
+    """The disk tier's plans for one step (core/disk_tier.py). The worker runs them around the host tier's copies:
+    deletes and stores first (a store reads a host block that this step's host stores may overwrite), then the host
+    tier's stores and loads, then the disk loads. A hash is never both deleted and stored in one step."""
+
+    stores: list[DiskStore] = field(default_factory=list)
+    loads: list[tuple[int, int]] = field(default_factory=list)  # (block hash, device block id): disk -> device
+    deletes: list[int] = field(default_factory=list)  # block hashes dropped from the tier: their files go
+
+    def __bool__(self) -> bool:
+        return bool(self.stores or self.loads or self.deletes)
+
+
 @dataclass
 class SchedulerOutput:
     scheduled_new_reqs: list[NewRequestData]
@@ -54,6 +78,7 @@ class SchedulerOutput:
     # from the prefix cache, or swapped out) may be the destination of a load or a write in the same step.
     kv_stores: list[tuple[int, int]] = field(default_factory=list)  # (device block id, host block id): to host
     kv_loads: list[tuple[int, int]] = field(default_factory=list)  # (host block id, device block id): to device
+    kv_disk: KVDiskPlans = field(default_factory=KVDiskPlans)  # the disk tier's plans (empty without one)
 
     @staticmethod
     def make_empty() -> SchedulerOutput:
@@ -86,6 +111,10 @@ class ModelRunnerOutput:
     logprobs: list[LogprobsLists | None]
     # req_id -> prompt logprobs for the prompt positions computed this step (token i+1 given 0..i)
     prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
+    # Disk tier: requests whose disk loads failed (file missing or not this model's) were left out of the forward and
+    # dropped by the worker, as if preempted: req_id -> tokens whose K/V are valid (before the first failed block).
+    kv_load_failures: dict[str, int] = field(default_factory=dict)
+    failed_disk_hashes: list[int] = field(default_factory=list)  # their block hashes: dropped from the disk index
 
 
 @dataclass

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from folio.core.disk_tier import DiskKVTier
+from folio.core.offload import HostKVTier
+
 
 @dataclass
 class SchedulerStats:
@@ -24,6 +27,25 @@ class SchedulerStats:
     kv_offload_blocks_to_cpu_total: int = 0  # stores planned (evicted prefix blocks and swapped-out blocks)
     kv_offload_blocks_to_device_total: int = 0  # loads planned (host prefix hits and swapped-in blocks)
     kv_offload_cpu_usage: float = 0.0  # fraction of host blocks held; cached-but-free counts as free
-    external_prefix_cache_queries: int = 0  # tokens looked up in the host tier (those not found on the device)
+    external_prefix_cache_queries: int = 0  # tokens looked up in the host and disk tiers (not found on the device)
     external_prefix_cache_hits: int = 0  # of which found there
     num_swapped_preemptions_total: int = 0  # preemptions done by swap
+    # Disk KV tier (core/disk_tier.py); all 0 without one.
+    kv_offload_blocks_to_disk_total: int = 0  # files written (host blocks dropped, and the shutdown flush)
+    kv_offload_blocks_from_disk_total: int = 0  # files loaded into device blocks (disk prefix hits)
+    kv_offload_disk_usage: float = 0.0  # fraction of the disk tier's blocks holding a block
+    kv_offload_disk_failed_loads_total: int = 0  # loads the worker could not do (missing or foreign file)
+
+    def set_tiers(self, host: HostKVTier | None, disk: DiskKVTier | None) -> None:
+        """Fill the host and disk tiers' fields from their counters (left 0 for a tier that does not exist)."""
+        if host is not None:
+            self.kv_offload_blocks_to_cpu_total = host.num_blocks_to_cpu_total
+            self.kv_offload_blocks_to_device_total = host.num_blocks_to_device_total
+            self.kv_offload_cpu_usage = host.usage
+            self.external_prefix_cache_queries = host.external_prefix_cache_queries
+            self.external_prefix_cache_hits = host.external_prefix_cache_hits
+        if disk is not None:
+            self.kv_offload_blocks_to_disk_total = disk.num_blocks_to_disk_total
+            self.kv_offload_blocks_from_disk_total = disk.num_blocks_from_disk_total
+            self.kv_offload_disk_usage = disk.usage
+            self.kv_offload_disk_failed_loads_total = disk.num_failed_loads_total

@@ -249,6 +249,7 @@ class Scheduler:
             block_copies=block_copies,
             kv_stores=kv_stores,
             kv_loads=kv_loads,
+            kv_disk=self.kv_cache_manager.take_disk_plans(),
         )
         self.finished_req_ids = set()
         return output
@@ -280,6 +281,7 @@ class Scheduler:
         One EngineCoreOutput per request that got tokens, prompt logprobs, or finished. Requests aborted since
         the step was scheduled are skipped.
         """
+        self._recompute_failed_loads(model_runner_output)
         row_of = {req_id: row for row, req_id in enumerate(model_runner_output.req_ids)}
         outputs: list[EngineCoreOutput] = []
         any_finished = False
@@ -301,6 +303,24 @@ class Scheduler:
         if any_finished:
             self.running = [request for request in self.running if request.status == RequestStatus.RUNNING]
         return outputs
+
+    def _recompute_failed_loads(self, model_runner_output: ModelRunnerOutput) -> None:
+        """Failed disk loads (the worker left those requests out and dropped them): the blocks before the first failed
+        one are cached, the rest recomputed as after a recompute preemption; the disk tier forgets the hashes."""
+        self.kv_cache_manager.forget_disk_blocks(model_runner_output.failed_disk_hashes)
+        for req_id, num_valid_tokens in model_runner_output.kv_load_failures.items():
+            request = self.requests.get(req_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue
+            request.num_computed_tokens = num_valid_tokens
+            request.num_cached_tokens = min(request.num_cached_tokens, num_valid_tokens)
+            self.kv_cache_manager.cache_computed_blocks(request)
+            self.kv_cache_manager.free(request)
+            request.num_computed_tokens = 0
+            request.status = RequestStatus.PREEMPTED
+            _remove_by_identity(self.running, request)
+            self._worker_req_ids.discard(req_id)
+            self.waiting.prepend(request)
 
     def _update_request(
         self,
@@ -361,8 +381,7 @@ class Scheduler:
         return self.kv_cache_manager.usage
 
     def get_stats(self) -> SchedulerStats:
-        host = self.kv_cache_manager.host_tier
-        return SchedulerStats(
+        stats = SchedulerStats(
             num_running=self.num_running,
             num_waiting=self.num_waiting,
             kv_cache_usage=self.kv_cache_usage,
@@ -371,13 +390,10 @@ class Scheduler:
             num_preemptions_total=self.num_preemptions_total,
             num_kv_live_tokens=sum(request.num_computed_tokens for request in self.running),
             num_kv_held_slots=self.kv_cache_manager.num_used_blocks * self.kv_cache_manager.block_size,
-            kv_offload_blocks_to_cpu_total=host.num_blocks_to_cpu_total if host else 0,
-            kv_offload_blocks_to_device_total=host.num_blocks_to_device_total if host else 0,
-            kv_offload_cpu_usage=host.usage if host else 0.0,
-            external_prefix_cache_queries=host.external_prefix_cache_queries if host else 0,
-            external_prefix_cache_hits=host.external_prefix_cache_hits if host else 0,
             num_swapped_preemptions_total=self.preemption.num_swapped_preemptions_total,
         )
+        stats.set_tiers(self.kv_cache_manager.host_tier, self.kv_cache_manager.disk_tier)
+        return stats
 
 
 def _queue_time(request: Request) -> float | None:

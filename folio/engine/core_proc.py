@@ -22,6 +22,8 @@ from folio.model.spec import ModelSpec
 from folio.request import Request
 
 _READY_TIMEOUT_S = 600.0
+_SHUTDOWN_TIMEOUT_S = 5.0
+_DISK_FLUSH_TIMEOUT_S = 120.0  # with a disk tier the core writes its cached blocks there before it exits
 
 
 @dataclass
@@ -79,6 +81,7 @@ def run_engine_core(config: EngineConfig, requests_in: Any, outputs_out: Any) ->
     except Exception:
         traceback.print_exc()
         os._exit(1)
+    core.shutdown()  # the disk tier keeps the prefix cache for a restart
 
 
 def _serve(core: Any, requests_in: Any, outputs_out: Any) -> None:
@@ -114,6 +117,8 @@ class EngineCoreClient:
         outputs_out.close()  # the child holds its own copies; closing ours makes EOF visible when it dies
         self._send_conn = requests_in
         self.outputs_conn = outputs_in
+        disk_tier = config.cache_config.kv_offloading_disk_path is not None
+        self.shutdown_timeout_s = _DISK_FLUSH_TIMEOUT_S if disk_tier else _SHUTDOWN_TIMEOUT_S
 
     @property
     def pid(self) -> int:
@@ -147,10 +152,10 @@ class EngineCoreClient:
         with contextlib.suppress(BrokenPipeError, OSError):  # a dead core is reported by the output side
             self._send_conn.send(message)
 
-    def shutdown(self, timeout_s: float = 5.0) -> None:
+    def shutdown(self, timeout_s: float | None = None) -> None:
         if self.process.is_alive():
             self._send(Shutdown())
-            self.process.join(timeout_s)
+            self.process.join(self.shutdown_timeout_s if timeout_s is None else timeout_s)
         if self.process.is_alive():
             self.process.kill()
             self.process.join(timeout_s)

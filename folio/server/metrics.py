@@ -43,7 +43,7 @@ ITL_BUCKETS = [
 REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0]
 REQUEST_LATENCY_BUCKETS += [120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
 FINISH_REASONS = ("stop", "length", "abort")
-OFFLOAD_DIRECTIONS = ("to_cpu", "to_device")
+OFFLOAD_DIRECTIONS = ("to_cpu", "to_device", "to_disk", "from_disk")  # host tier, then the disk tier under it
 
 
 class PrometheusStatLogger:
@@ -70,7 +70,7 @@ class PrometheusStatLogger:
         # read with getattr so that a snapshot without them counts 0.
         self.counter_offload_blocks = Counter(
             "folio:kv_offload_blocks",
-            "KV blocks copied by the host tier, by direction.",
+            "KV blocks copied by the host tier (to_cpu, to_device) and the disk tier (to_disk, from_disk).",
             [*labels, "direction"],
             registry=reg,
         )
@@ -82,6 +82,18 @@ class PrometheusStatLogger:
             labels,
             registry=reg,
         )
+        self.gauge_offload_disk_usage = Gauge(
+            "folio:kv_offload_disk_usage_perc",
+            "Disk KV tier usage: 1 means every block file of its size is written.",
+            labels,
+            registry=reg,
+        )
+        self.counter_disk_failed_loads = Counter(
+            "folio:kv_offload_disk_failed_loads",
+            "Disk KV tier loads that failed (file missing or damaged): those tokens were recomputed.",
+            labels,
+            registry=reg,
+        )
         self.counter_external_queries = Counter(
             "folio:external_prefix_cache_queries",
             "Prefix queries past the device pool, in tokens.",
@@ -89,7 +101,10 @@ class PrometheusStatLogger:
             registry=reg,
         )
         self.counter_external_hits = Counter(
-            "folio:external_prefix_cache_hits", "Prefix hits in the host tier, in tokens.", labels, registry=reg
+            "folio:external_prefix_cache_hits",
+            "Prefix hits in the host and disk tiers, in tokens.",
+            labels,
+            registry=reg,
         )
         self.counter_swapped_preemptions = Counter(
             "folio:num_swapped_preemptions",
@@ -134,6 +149,8 @@ class PrometheusStatLogger:
             self.counter_prefix_hits,
             self.counter_preemptions,
             self.gauge_offload_usage,
+            self.gauge_offload_disk_usage,
+            self.counter_disk_failed_loads,
             self.counter_external_queries,
             self.counter_external_hits,
             self.counter_swapped_preemptions,
@@ -154,6 +171,9 @@ class PrometheusStatLogger:
         self._last_external_queries = 0
         self._last_external_hits = 0
         self._last_swapped_preemptions = 0
+        self._last_offload_to_disk = 0
+        self._last_offload_from_disk = 0
+        self._last_disk_failed_loads = 0
 
     def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None:
         name = self.model_name
@@ -188,6 +208,12 @@ class PrometheusStatLogger:
         )
         swapped = getattr(stats, "num_swapped_preemptions_total", 0)
         self._advance(self.counter_swapped_preemptions, swapped, "_last_swapped_preemptions")
+        self.gauge_offload_disk_usage.labels(self.model_name).set(getattr(stats, "kv_offload_disk_usage", 0.0))
+        to_disk, from_disk = (getattr(stats, f"kv_offload_blocks_{d}_disk_total", 0) for d in ("to", "from"))
+        self._advance(self.counter_offload_blocks, to_disk, "_last_offload_to_disk", "to_disk")
+        self._advance(self.counter_offload_blocks, from_disk, "_last_offload_from_disk", "from_disk")
+        failed = getattr(stats, "kv_offload_disk_failed_loads_total", 0)
+        self._advance(self.counter_disk_failed_loads, failed, "_last_disk_failed_loads")
 
     def _advance(self, counter: Counter, cumulative: int, last_attr: str, *labels: str) -> None:
         delta = cumulative - getattr(self, last_attr)

@@ -1,8 +1,9 @@
 """ModelRunner: SchedulerOutput -> model inputs -> forward -> sample -> ModelRunnerOutput. No policy here.
 
 What to compute is decided by the scheduler; the runner only keeps its copy of each request current, executes
-the host KV tier's store / load plans and the copy-on-write plans (in that order), runs the model on the
-flattened batch and samples where a request reached its last token.
+the KV tiers' plans and the copy-on-write plans (disk deletes and stores, host stores, host loads, disk loads, then
+copy-on-write), runs the model on the flattened batch and samples where a request reached its last token.
+A request whose disk load failed is left out of the step and dropped; the output says so (``kv_load_failures``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from folio.sample.sampler import Sampler
 from folio.step_timer import FORWARD, PREPARE_INPUTS, SAMPLE, StepTimer
 from folio.worker.decode_graphs import DecodeGraphs
 from folio.worker.input_batch import ModelInput, prepare_model_input
+from folio.worker.kv_disk import DiskKVTransfer
 from folio.worker.kv_offload import KVTransfer, copy_blocks
 from folio.worker.request_state import CachedRequestState, RequestStates
 
@@ -52,6 +54,7 @@ class ModelRunner:
         self.step_timer: StepTimer | None = None  # set only by profiling benchmarks (folio.step_timer)
         self.decode_graphs: DecodeGraphs | None = None  # set by enable_decode_graphs
         self.kv_transfer: KVTransfer | None = None  # set by the worker when a host KV tier exists
+        self.kv_disk: DiskKVTransfer | None = None  # set by the worker when a disk tier exists under it
 
     def enable_decode_graphs(
         self, max_num_seqs: int, max_model_len: int, scratch_slot: int, capture: bool
@@ -75,15 +78,12 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(sched)
-        if sched.kv_stores or sched.kv_loads:  # the host tier's plans: every store, then every load
-            if self.kv_transfer is None:
-                raise RuntimeError("the scheduler planned host KV copies but this worker has no host KV tier")
-            self.kv_transfer.execute(sched.kv_stores, sched.kv_loads)
+        failures, failed_hashes = self._run_kv_plans(sched)
         if sched.block_copies:
             self._copy_blocks(sched.block_copies)
-        if sched.total_num_scheduled_tokens == 0:
-            return ModelRunnerOutput([], [], [])
-        req_ids = list(sched.num_scheduled_tokens)
+        req_ids = [req_id for req_id in sched.num_scheduled_tokens if req_id not in failures]
+        if not req_ids:
+            return ModelRunnerOutput([], [], [], kv_load_failures=failures, failed_disk_hashes=failed_hashes)
         states = [self.requests[r] for r in req_ids]
         model_input = prepare_model_input(
             states, [sched.num_scheduled_tokens[r] for r in req_ids], self.block_size, self.device
@@ -117,10 +117,37 @@ class ModelRunner:
             sampled_token_ids=[sampled.get(r, ([], None))[0] for r in req_ids],
             logprobs=[sampled.get(r, ([], None))[1] for r in req_ids],
             prompt_logprobs=prompt_logprobs,
+            kv_load_failures=failures,
+            failed_disk_hashes=failed_hashes,
         )
         if timer is not None:
             timer.lap(SAMPLE)
         return output
+
+    def _run_kv_plans(self, sched: SchedulerOutput) -> tuple[dict[str, int], list[int]]:
+        """The disk tier's deletes and stores, the host tier's stores and loads, the disk loads. Returns, for the
+        failed disk loads, {request id: tokens whose K/V are valid} (those requests are dropped) and their hashes."""
+        disk = sched.kv_disk
+        if disk and self.kv_disk is None:
+            raise RuntimeError("the scheduler planned disk KV copies but this worker has no disk KV tier")
+        if self.kv_disk is not None and (disk.deletes or disk.stores):
+            self.kv_disk.delete_and_store(disk.deletes, disk.stores)
+        if sched.kv_stores or sched.kv_loads:  # the host tier's plans: every store, then every load
+            if self.kv_transfer is None:
+                raise RuntimeError("the scheduler planned host KV copies but this worker has no host KV tier")
+            self.kv_transfer.execute(sched.kv_stores, sched.kv_loads)
+        failed = self.kv_disk.load(disk.loads) if self.kv_disk is not None and disk.loads else []
+        if not failed:
+            return {}, []
+        failed_blocks = {block_id for _, block_id in failed}
+        failures = {}
+        for req_id in sched.num_scheduled_tokens:
+            block_ids = self.requests[req_id].block_ids
+            index = next((i for i, block_id in enumerate(block_ids) if block_id in failed_blocks), None)
+            if index is not None:
+                failures[req_id] = index * self.block_size
+        self.requests.remove(set(failures))
+        return failures, [block_hash for block_hash, _ in failed]
 
     def _update_states(self, sched: SchedulerOutput) -> None:
         self.requests.remove(sched.finished_req_ids | sched.preempted_req_ids)

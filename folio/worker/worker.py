@@ -19,6 +19,7 @@ from folio.model.llama import LlamaForCausalLM
 from folio.model.loader import ModelSpec, load_model
 from folio.model.noop import NoopCausalLM
 from folio.worker.cpu_threads import CpuThreadGovernor
+from folio.worker.kv_disk import DiskKVTransfer, open_disk_tier
 from folio.worker.kv_offload import HostKVCache, KVTransfer, mem_available_bytes, resolve_num_host_blocks
 from folio.worker.model_runner import ModelRunner
 
@@ -117,6 +118,7 @@ class Worker:
         self.host_kv_cache = self._allocate_host_tier(noop)
         if self.host_kv_cache is not None:
             self.model_runner.kv_transfer = KVTransfer(self.model_runner.kv_caches, self.host_kv_cache, self.device)
+            self.model_runner.kv_disk = self._open_disk_tier(self.model_runner.kv_transfer)
         if self._wants_decode_graphs():
             self._capture_decode_graphs(num_blocks * config.cache_config.block_size)
         adaptive = self.device.type == "cpu" and config.cpu_config.adaptive_threads
@@ -153,6 +155,32 @@ class Worker:
             ", pinned" if self.device.type == "cuda" else "",
         )
         return host
+
+    def _open_disk_tier(self, host_transfer: KVTransfer) -> DiskKVTransfer | None:
+        """The disk tier under the host tier (--kv-offloading-disk-path): resolves cache_config.num_disk_blocks and
+        the hashes found warm (read by the engine core's KV manager). None when the tier is off."""
+        cache = self.config.cache_config
+        if cache.kv_offloading_disk_path is None:
+            return None
+        shape = self.kv_shape
+        layout = {
+            "num_layers": shape.num_layers,
+            "block_size": shape.block_size,
+            "num_kv_heads": shape.num_kv_heads,
+            "head_dim": shape.head_dim,
+            "dtype": str(shape.dtype),
+            "head_major": shape.head_major,
+            "device_type": self.device.type,
+        }
+        files, cache.num_disk_blocks, cache.disk_block_hashes = open_disk_tier(
+            cache.kv_offloading_disk_path,
+            cache.kv_offloading_disk_size,
+            self.config.model_config.model,
+            layout,
+            shape.bytes_per_block,
+            shape.block_size,
+        )
+        return DiskKVTransfer(files, host_transfer.host.caches, host_transfer.device_caches)
 
     def _wants_decode_graphs(self) -> bool:
         """CUDA, not enforce_eager, a real model whose attention backend can be captured (TritonPagedBackend)."""

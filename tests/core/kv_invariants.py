@@ -7,6 +7,7 @@ means "in the free queue" whether or not the block still carries a hash.
 
 The host tier (core/offload.py) is a second BlockPool with the same invariants; between steps its holders are
 exactly the swapped-out requests (one reference per block each; the pins of a step's loads end with schedule()).
+The disk tier (core/disk_tier.py) holds at most its capacity, and no pin or store / load plan between steps.
 """
 
 from __future__ import annotations
@@ -89,12 +90,22 @@ def check_host_tier(scheduler: Scheduler) -> None:
         assert block.ref_count == holders[block.block_id], f"host block {block.block_id}: {block.ref_count} refs"
 
 
+def check_disk_tier(scheduler: Scheduler) -> None:
+    """Within capacity; no pin or store / load plan left between steps (deletes may wait for the next step)."""
+    disk = scheduler.kv_cache_manager.disk_tier
+    if disk is None:
+        return
+    assert len(disk) <= disk.num_blocks and len(set(disk.hashes())) == len(disk)
+    assert disk.find_leaks() == [], disk.find_leaks()
+
+
 def check_scheduler(scheduler: Scheduler) -> None:
     """Queues, statuses, token counts and block lists of every unfinished request agree with each other."""
     manager = scheduler.kv_cache_manager
     check_block_pool(manager.block_pool)
     check_ref_counts(manager)
     check_host_tier(scheduler)
+    check_disk_tier(scheduler)
     config = scheduler.scheduler_config
     block_size = manager.block_size
     running_ids = [request.request_id for request in scheduler.running]

@@ -1,11 +1,11 @@
 """Property tests of the real Scheduler + KVCacheManager + BlockPool + waiting queues (hypothesis, stateful).
 
-Random configurations (block counts and sizes, budgets, max_num_seqs, long-prefill chunking, prefix caching,
-policy, a host KV tier and preemption mode) are driven through random sequences of: add requests (shared
-prefixes, n > 1 families, EOS / stop tokens, min_tokens, prompt logprobs, priorities), steps (schedule ->
-FakeWorker -> update_from_output, sometimes with an abort landing between schedule and update), aborts,
-stop-string finishes from outside and prefix-cache resets. Few blocks make the scheduler preempt by itself
-(there is no public preemption API).
+Random configurations (block counts and sizes, budgets, max_num_seqs, long-prefill chunking, prefix caching, policy,
+a host KV tier with or without a disk tier under it, and preemption mode) are driven through random sequences of:
+add requests (shared prefixes, n > 1 families, EOS / stop tokens, min_tokens, prompt logprobs, priorities), steps
+(schedule -> FakeWorker -> update_from_output, sometimes with an abort landing between schedule and update), aborts,
+stop-string finishes from outside, prefix-cache resets and disk files lost behind the engine's back. Few blocks make
+the scheduler preempt by itself (there is no public preemption API).
 After every rule, ``kv_invariants.check_scheduler`` checks the whole state (ref counts = holders, free + used =
 total, free queue sound, ...). At the end everything is aborted or run to completion (liveness: within a bound),
 then every block must be free, the worker must hold nothing, and every request that finished by itself must have
@@ -117,6 +117,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         policy=st.sampled_from(["fcfs", "priority"]),
         enable_prefix_caching=st.booleans(),
         num_host_blocks=st.sampled_from([0, 0, 1, 3, 8]),
+        num_disk_blocks=st.sampled_from([0, 1, 4, 16]),
         preemption_mode=st.sampled_from([None, None, "recompute"]),
         end_by_abort=st.booleans(),
         initial_requests=st.lists(REQUEST_SPECS, min_size=1, max_size=6),
@@ -132,6 +133,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         policy: str,
         enable_prefix_caching: bool,
         num_host_blocks: int,
+        num_disk_blocks: int,
         preemption_mode: str | None,
         end_by_abort: bool,
         initial_requests: list[RequestSpec],
@@ -149,6 +151,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             enable_prefix_caching=enable_prefix_caching,
             num_host_blocks=num_host_blocks,
             preemption_mode=preemption_mode,
+            num_disk_blocks=num_disk_blocks if num_host_blocks > 0 else 0,  # the disk tier needs a host tier
         )
         self.worker = make_worker(self.scheduler)
         self.end_by_abort = end_by_abort
@@ -223,6 +226,13 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.sched.abort_requests(gone[index % len(gone)])
         assert [block.ref_count for block in self.sched.kv_cache_manager.block_pool.blocks] == before
         assert self.sched.kv_cache_manager.get_num_free_blocks() == num_free
+
+    @rule(index=st.integers(0, 50))
+    def lose_disk_file(self, index: int) -> None:
+        """A file of the disk tier disappears: its next load fails, and the request recomputes those tokens."""
+        assert self.worker is not None
+        if self.worker.disk:
+            del self.worker.disk[sorted(self.worker.disk)[index % len(self.worker.disk)]]
 
     @rule()
     def reset_prefix_cache(self) -> None:
@@ -315,6 +325,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         event(f"swapped preemptions: {self.sched.preemption.num_swapped_preemptions_total > 0}")
         host = manager.host_tier
         event(f"host tier loads: {host is not None and host.num_blocks_to_device_total > 0}")
+        disk = manager.disk_tier
+        event(f"disk tier loads: {disk is not None and disk.num_blocks_from_disk_total > 0}")
+        event(f"disk tier failed loads: {disk is not None and disk.num_failed_loads_total > 0}")
         event(f"max ref_count: {self.max_ref_count if self.max_ref_count < 3 else '3+'}")
         for reason in sorted({str(expected.finish_reason) for expected in self.expected.values()}):
             event(f"finish reason seen: {reason}")
