@@ -93,7 +93,7 @@ class BeamSearchOutput:
 
 def get_beam_search_score(num_generated_tokens: int, cum_logprob: float, length_penalty: float) -> float:
     """transformers' length-penalised score; ``num_generated_tokens`` counts an ending EOS token."""
-    return cum_logprob / (num_generated_tokens**length_penalty)
+    return cum_logprob / math.pow(num_generated_tokens, length_penalty)
 
 
 def _score(seq: BeamSearchSequence, length_penalty: float) -> float:

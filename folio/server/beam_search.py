@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Coroutine
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from folio.beam_search import (
     MAX_BEAM_WIDTH,
@@ -32,6 +32,8 @@ from folio.server.errors import bad_request
 from folio.server.limits import MAX_TEMPERATURE
 from folio.server.protocol import SamplingFields
 from folio.server.serving_base import ServingContext
+
+T = TypeVar("T")
 
 # Fields that beam search cannot honour, with the value that means "not set".
 _UNSUPPORTED_DEFAULTS: dict[str, Any] = {
@@ -114,7 +116,7 @@ class BeamSearchRequest:
                 _one_token(ctx, beam.tokens, step_params, f"{request_id}-beam{search.num_steps}-{i}", priority)
                 for i, beam in enumerate(search.beams)
             ]
-            search.step(await asyncio.gather(*steps))
+            search.step(await _all_or_none(steps))
             if search.num_steps == 1:
                 yield _request_output(request_id, prompt, prompt_token_ids, [], finished=False)
         outputs = [await self._completion(ctx, i, seq) for i, seq in enumerate(search.results())]
@@ -150,6 +152,19 @@ def engine_stream(
     if beam is None:
         return ctx.generate(prompt, params, request_id, priority)
     return beam.generate(ctx, prompt["prompt_token_ids"], prompt.get("prompt"), request_id, priority)
+
+
+async def _all_or_none(steps: list[Coroutine[Any, Any, T]]) -> list[T]:
+    """Every step request's result; if one fails (or this is cancelled), the others are cancelled (aborted) too,
+    rather than left to run for a search that is over."""
+    tasks = [asyncio.ensure_future(step) for step in steps]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 async def _one_token(
