@@ -13,7 +13,7 @@ from folio import LLM, BeamSearchParams
 from tests.engine.prompts import all_prompt_token_ids
 
 WIDTH = 4
-MAX_TOKENS = 16
+MAX_TOKENS = 12
 EOS = 2  # the default model's (transformers' generation_config says the same)
 
 
