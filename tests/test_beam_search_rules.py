@@ -64,6 +64,19 @@ def test_score_divides_by_the_generated_tokens_eos_included() -> None:
         assert by_tokens[(1, 3, 5)].cum_logprob == pytest.approx(-2.4)
 
 
+def test_the_length_is_the_generated_tokens_not_the_prompt() -> None:
+    """transformers' length (generated tokens, EOS included) against vLLM's (prompt + output without EOS): with a
+    5-token prompt, [1, eos] (cum -1.0) scores -1.0 / 2 = -0.5 and [2, 6, 7] (cum -1.4) -1.4 / 3 = -0.47, so
+    [2, 6, 7] wins; vLLM's lengths (6 and 8) would rank [1, eos] first (-0.167 > -0.175)."""
+    search = BeamSearchInstance([9] * 5, BeamSearchParams(2, 3), {EOS})
+    search.step([row(t1=-0.3, t2=-0.5, t3=-5.0, t4=-6.0)])
+    search.step([row(eos=-0.7, t5=-0.8, t3=-5.0, t4=-6.0), row(t6=-0.4, t3=-5.0, t4=-6.0, t5=-7.0)])
+    assert [(s.output_token_ids, s.finish_reason) for s in search.completed] == [([1, EOS], "stop")]
+    search.step([row(t7=-0.5, t3=-5.0, t4=-6.0, t5=-7.0), row(t8=-1.0, t3=-5.0, t4=-6.0, t6=-7.0)])
+    assert outputs(search) == [[2, 6, 7], [1, EOS]]
+    assert [s.cum_logprob for s in search.results()] == pytest.approx([-1.4, -1.0])
+
+
 def test_ignore_eos_keeps_eos_as_a_token() -> None:
     search = BeamSearchInstance([9], BeamSearchParams(1, 2, ignore_eos=True), {EOS})
     search.step([row(eos=-0.1, t1=-0.2)])
