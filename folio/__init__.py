@@ -9,12 +9,21 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from folio.beam_search import BeamSearchOutput, BeamSearchParams
     from folio.config import EngineArgs
     from folio.llm import LLM
     from folio.outputs import CompletionOutput, RequestOutput
     from folio.sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineArgs"]
+__all__ = [
+    "LLM",
+    "SamplingParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "EngineArgs",
+    "BeamSearchParams",
+    "BeamSearchOutput",
+]
 __version__ = "0.1.0"
 
 _PUBLIC = {
@@ -23,6 +32,8 @@ _PUBLIC = {
     "RequestOutput": "folio.outputs",
     "CompletionOutput": "folio.outputs",
     "EngineArgs": "folio.config",
+    "BeamSearchParams": "folio.beam_search",
+    "BeamSearchOutput": "folio.beam_search",
 }
 
 

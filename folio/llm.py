@@ -9,6 +9,14 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from folio.beam_search import (
+    BeamSearchOutput,
+    BeamSearchParams,
+    check_fits,
+    check_prefix_caching,
+    first_row,
+    run_beam_search,
+)
 from folio.config import EngineArgs
 from folio.engine.input_processor import PromptType
 from folio.engine.llm_engine import LLMEngine
@@ -83,6 +91,24 @@ class LLM:
                 token_ids = token_ids["input_ids"]
             prompts.append({"prompt_token_ids": list(token_ids)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def beam_search(
+        self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams
+    ) -> list[BeamSearchOutput]:
+        """vLLM's beam search (folio/beam_search.py): per prompt, the best ``params.beam_width`` sequences, best
+        first. Each step runs every live beam as a one-token request; prefix caching shares their prefix."""
+        engine = self.llm_engine
+        check_prefix_caching(engine.config.cache_config.enable_prefix_caching)
+        token_ids = [engine.input_processor.tokenize_prompt(p).prompt_token_ids for p in _as_prompt_list(prompts)]
+        for ids in token_ids:
+            check_fits(len(ids), params.max_tokens, engine.input_processor.max_model_len)
+
+        def run_step(beams: list[list[int]], step_params: SamplingParams) -> list[Any]:
+            outputs = self.generate([{"prompt_token_ids": b} for b in beams], step_params, use_tqdm=False)
+            return [first_row(out) for out in outputs]
+
+        eos_ids = set(engine.input_processor.eos_token_ids)
+        return run_beam_search(token_ids, params, eos_ids, run_step, self.get_tokenizer().decode)
 
     def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine

@@ -73,6 +73,8 @@ class SamplingFields(RequestBody):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     priority: Int64 = 0
+    use_beam_search: bool = False  # vLLM's: n is the beam width (folio/server/beam_search.py)
+    length_penalty: float = 1.0
 
     def to_sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """Raises ValueError naming the field when a value is out of range (SamplingParams validates, plus OpenAI's

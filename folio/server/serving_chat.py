@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, Response
 
 from folio.outputs import RequestOutput
 from folio.sampling_params import SamplingParams
+from folio.server.beam_search import BeamSearchRequest, engine_stream
 from folio.server.errors import bad_request
 from folio.server.logprob_format import chat_logprobs
 from folio.server.protocol import (
@@ -46,16 +47,19 @@ class OpenAIServingChat:
         prompt_ids = await ctx.apply_chat_template(messages, body.add_generation_prompt)
         field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         max_tokens = ctx.resolve_max_tokens(body.requested_max_tokens, len(prompt_ids), field, "messages")
-        params = ctx.make_sampling_params(
-            lambda: body.to_sampling_params(max_tokens, num_top), {"max_tokens": field, "logprobs": "top_logprobs"}
+        renames = {"max_tokens": field, "logprobs": "top_logprobs"}
+        beam = BeamSearchRequest.build(ctx, body, max_tokens, num_top, renames) if body.use_beam_search else None
+        params = (
+            beam.view
+            if beam
+            else ctx.make_sampling_params(lambda: body.to_sampling_params(max_tokens, num_top), renames)
         )
         ticket = ctx.admission.admit([len(prompt_ids)], params.n)  # 503 here when full
         handed_over = False  # a streamed response releases the ticket when it ends; otherwise this handler does
         try:
             request_id = random_id("chatcmpl")
-            generator = ticket.track(
-                0, ctx.generate({"prompt_token_ids": prompt_ids}, params, request_id, body.priority)
-            )
+            source = engine_stream(ctx, beam, {"prompt_token_ids": prompt_ids}, params, request_id, body.priority)
+            generator = ticket.track(0, source)
             if body.stream:
                 primed = await cancel_on_disconnect(prime(generator), raw_request, request_id)
                 stream = self._stream(request_id, body, params, primed, len(prompt_ids))

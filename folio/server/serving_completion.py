@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, Response
 
 from folio.outputs import RequestOutput
 from folio.sampling_params import SamplingParams
+from folio.server.beam_search import BeamSearchRequest, engine_stream
 from folio.server.errors import bad_request
 from folio.server.logprob_format import completion_logprobs
 from folio.server.protocol import (
@@ -46,7 +47,10 @@ class OpenAIServingCompletion:
         _reject_unsupported(body)
         prompts = await self._prompts(body)
         max_tokens = min(ctx.resolve_max_tokens(body.max_tokens, len(ids)) for _, ids in prompts)
-        params = ctx.make_sampling_params(lambda: body.to_sampling_params(max_tokens, body.logprobs))
+        beam = BeamSearchRequest.build(ctx, body, max_tokens, body.logprobs) if body.use_beam_search else None
+        params = (
+            beam.view if beam else ctx.make_sampling_params(lambda: body.to_sampling_params(max_tokens, body.logprobs))
+        )
         ticket = ctx.admission.admit([len(ids) for _, ids in prompts], params.n)  # 503 here when full
         handed_over = False  # a streamed response releases the ticket when it ends; otherwise this handler does
         try:
@@ -54,7 +58,8 @@ class OpenAIServingCompletion:
             generators = []
             for i, (text, ids) in enumerate(prompts):
                 prompt = {"prompt": text, "prompt_token_ids": ids}
-                generators.append(ticket.track(i, ctx.generate(prompt, params, f"{request_id}-{i}", body.priority)))
+                source = engine_stream(ctx, beam, prompt, params, f"{request_id}-{i}", body.priority)
+                generators.append(ticket.track(i, source))
             num_prompt_tokens = sum(len(ids) for _, ids in prompts)
             if body.stream:
                 primed = await cancel_on_disconnect(prime_all(generators), raw_request, request_id)
