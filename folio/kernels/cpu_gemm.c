@@ -98,6 +98,14 @@ typedef struct {
 
 #include "gemm_screen_epilogue.h"
 
+/* Every lane of an arg-max's per-thread bests (count entries) empty: -FLT_MAX, no column. */
+static void argmax_reset(float *best_val, int32_t *best_col, int64_t count) {
+    for (int64_t i = 0; i < count; ++i) {
+        best_val[i] = -FLT_MAX;
+        best_col[i] = INT32_MAX;
+    }
+}
+
 /* out_ids[r]: over every thread's 16 lanes of row r (best_val / best_col [threads][m][16], as the arg-max
  * epilogue leaves them), the largest value and the first column among equals; 0 where nothing beat -FLT_MAX. */
 static void argmax_merge(const float *best_val, const int32_t *best_col, int64_t threads, int64_t m,

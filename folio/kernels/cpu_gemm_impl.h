@@ -86,10 +86,7 @@ int CAT(folio_gemm_argmax_, SUFFIX)(const ELEM_T *x, int64_t lda, const ELEM_T *
         free(best_col);
         return -1;
     }
-    for (int64_t i = 0; i < num_threads * m * 16; ++i) {
-        best_val[i] = -FLT_MAX;
-        best_col[i] = INT32_MAX;
-    }
+    argmax_reset(best_val, best_col, num_threads * m * 16);
 #pragma omp parallel num_threads(num_threads)
     {
         const int64_t tid = omp_get_thread_num();

@@ -108,10 +108,7 @@ int folio_gemm_argmax_screened_f32(const float *x, int64_t lda, const float *pac
         for (int64_t b = 0; b < nblocks; ++b)
             if (wanted[r * nblocks + b]) pairs[npairs++] = r * nblocks + b;
     }
-    for (size_t i = 0; i < tt * mm * 16; ++i) {
-        best_val[i] = -FLT_MAX;
-        best_col[i] = INT32_MAX;
-    }
+    argmax_reset(best_val, best_col, threads * m * 16);
 #pragma omp parallel num_threads(num_threads)
     {
         const int64_t tid = omp_get_thread_num();

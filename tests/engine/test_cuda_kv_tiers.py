@@ -20,39 +20,15 @@ import torch
 
 from folio import LLM, SamplingParams
 from tests.engine.conftest import assert_no_leaks
+from tests.tiny_models import save_tiny_llama
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-def _word_tokenizer(vocab_size: int) -> Any:
-    """A word-level tokenizer of vocab_size tokens: built here, so the test needs no model file at all."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab_size)}}
-    inner = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    inner.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=inner, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
-
-
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    import transformers
-
-    directory = tmp_path_factory.mktemp("tiny_llama")
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=512,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-    )
-    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(directory)
-    _word_tokenizer(512).save_pretrained(directory)
-    return str(directory)
+    shape = {"vocab_size": 512, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4}
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny_llama"), max_position_embeddings=2048, **shape)
 
 
 def _outputs(model: str, dtype: str, **tiers: Any) -> tuple[list[list[list[int]]], Any]:

@@ -16,6 +16,7 @@ from folio.attention.builder import assign_contiguous_blocks, build_attn_metadat
 from folio.model.llama import LlamaForCausalLM
 from folio.model.loader import load_model, load_tokenizer, read_model_spec
 from folio.model.spec import ModelSpec
+from tests.tiny_models import TINY_SHAPE
 
 # ---------------------------------------------------------------------------------------------- real GGUF spec
 
@@ -105,15 +106,7 @@ def test_corrupt_safetensors(tmp_path: Path) -> None:
 
 # ---------------------------------------------------------------------------------------------- tiny HF models
 
-_TINY = {
-    "vocab_size": 96,
-    "hidden_size": 64,
-    "intermediate_size": 112,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 256,
-}
+_TINY = TINY_SHAPE  # tests/tiny_models.py
 
 
 def _save_tiny(kind: str, directory: Path, max_shard_size: str | None = None) -> Any:

@@ -16,23 +16,14 @@ from typing import Any
 
 import httpx
 import pytest
-import torch
 
 from folio import LLM, SamplingParams
 from tests.server.conftest import ServerProcess, metric, start_server
+from tests.tiny_models import save_tiny_llama
 
 BLOCK = 16
 PROMPT_A = [300 + 7 * i for i in range(4 * BLOCK)]
 TINY_PROMPT = [1 + (5 * i) % 90 for i in range(40)]  # ids below the tiny models' vocabulary of 96
-TINY = dict(
-    vocab_size=96,
-    hidden_size=64,
-    intermediate_size=112,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-)
 
 
 def _disk_args(directory: Path, host_gib: str = "0.01", disk_gib: str = "0.05") -> list[str]:
@@ -108,17 +99,8 @@ def test_a_restarted_server_answers_a_repeated_prompt_from_disk(tmp_path: Path) 
 @pytest.fixture(scope="module")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory, tokenizer: Any) -> tuple[str, str]:
     """Two random Llamas of the same config (seeds 0 and 1), saved as safetensors with the default tokenizer."""
-    import transformers
-
-    paths = []
-    for seed in (0, 1):
-        directory = tmp_path_factory.mktemp(f"tiny{seed}")
-        torch.manual_seed(seed)
-        model = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**TINY))
-        model.save_pretrained(directory)
-        tokenizer.save_pretrained(directory)
-        paths.append(str(directory))
-    return paths[0], paths[1]
+    model_a, model_b = (save_tiny_llama(tmp_path_factory.mktemp(f"tiny{s}"), s, tokenizer) for s in (0, 1))
+    return model_a, model_b
 
 
 def test_a_directory_written_by_another_model_is_never_read(tmp_path: Path, tiny_models: tuple[str, str]) -> None:
