@@ -16,6 +16,7 @@ from folio.sample.logprobs import compute_prompt_logprobs
 from folio.sample.metadata import SamplingMetadata
 from folio.sample.sampler import Sampler
 from folio.step_timer import FORWARD, PREPARE_INPUTS, SAMPLE, StepTimer
+from folio.structured.bitmask import bitmask_for_rows
 from folio.worker.decode_graphs import DecodeGraphs
 from folio.worker.input_batch import ModelInput, prepare_model_input
 from folio.worker.kv_offload import KVTransfer, copy_blocks
@@ -99,6 +100,10 @@ class ModelRunner:
         num_sampled = len(model_input.sample_req_ids)
         states = [self.requests[r] for r in model_input.sample_req_ids]
         metadata = self._sampling_metadata(states) if num_sampled else None
+        if metadata is not None and sched.grammar_bitmask is not None:  # structured outputs: the sampler's 1st stage
+            metadata.grammar_bitmask = bitmask_for_rows(
+                model_input.sample_req_ids, sched.structured_output_request_ids, sched.grammar_bitmask, self.device
+            )
         greedy_ids = None
         if metadata is not None and not model_input.prompt_logprobs and self.sampler.only_argmax(metadata):
             greedy_ids = self.model.compute_greedy_token_ids(rows)  # None where the model has no such path
