@@ -33,6 +33,7 @@ from folio.server.streaming import (
     prime_all,
     sse,
 )
+from folio.server.structured_outputs import structured_outputs_params
 
 
 class OpenAIServingCompletion:
@@ -47,6 +48,9 @@ class OpenAIServingCompletion:
         prompts = await self._prompts(body)
         max_tokens = min(ctx.resolve_max_tokens(body.max_tokens, len(ids)) for _, ids in prompts)
         params = ctx.make_sampling_params(lambda: body.to_sampling_params(max_tokens, body.logprobs))
+        params.structured_outputs = structured_outputs_params(
+            body.response_format, body.structured_outputs, ctx.engine.config.structured_outputs_config.backend
+        )
         ticket = ctx.admission.admit([len(ids) for _, ids in prompts], params.n)  # 503 here when full
         handed_over = False  # a streamed response releases the ticket when it ends; otherwise this handler does
         try:
