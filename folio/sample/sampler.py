@@ -68,14 +68,16 @@ class Sampler:
         return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
 
     @staticmethod
-    def only_argmax(metadata: SamplingMetadata) -> bool:
+    def only_argmax(metadata: SamplingMetadata, grammar_checked_after: bool = False) -> bool:
         """Whether sampling these rows is the argmax of the raw logits (all greedy, no logprobs, nothing that
-        changes the logits, no grammar): then the model may hand over token ids instead of logits
-        (LlamaForCausalLM.compute_greedy_token_ids) and the sampler is skipped."""
+        changes the logits): then the model may hand over token ids instead of logits
+        (LlamaForCausalLM.compute_greedy_token_ids) and the sampler is skipped. A grammar bitmask rules it out,
+        unless the caller checks every arg-max against it afterwards (``grammar_checked_after``: the runner does,
+        with folio.structured.bitmask.constrained_greedy)."""
         return (
             metadata.all_greedy
             and metadata.max_num_logprobs is None
-            and metadata.grammar_bitmask is None
+            and (metadata.grammar_bitmask is None or grammar_checked_after)
             and not _changes_logits(metadata)
         )
 

@@ -16,8 +16,9 @@ KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 @dataclass(frozen=True)
 class GrammarSpec:
-    """What to compile: ``kind`` is one of KINDS; ``text`` the canonical text (a JSON schema dumped with sorted
-    keys, a JSON list for choice, "" for json_object). Equal specs share one compiled grammar (the cache key)."""
+    """What to compile: ``kind`` is one of KINDS; ``text`` the canonical text (a JSON schema dumped compactly, its
+    key order kept; a JSON list for choice; "" for json_object). Equal specs share one compiled grammar (the cache
+    key)."""
 
     kind: str
     text: str
@@ -74,11 +75,13 @@ class StructuredOutputsParams:
         return next(name for name in KINDS if _is_set(name, getattr(self, name)))
 
     def grammar_spec(self) -> GrammarSpec:
-        """The canonical, hashable spec: two requests with the same schema (any key order) share one grammar."""
+        """The canonical, hashable spec: two requests with the same schema (dict or string, any spacing) share one
+        grammar. Key order counts: it is the order in which the output lists the properties."""
         kind = self.kind
         if kind == "json":
             schema = json_module.loads(self.json) if isinstance(self.json, str) else self.json
-            return GrammarSpec(kind, json_module.dumps(schema, sort_keys=True, separators=(",", ":")))
+            # Key order is kept: properties are generated in the order the schema lists them.
+            return GrammarSpec(kind, json_module.dumps(schema, separators=(",", ":")))
         if kind == "choice":
             return GrammarSpec(kind, json_module.dumps(self.choice))
         if kind == "json_object":

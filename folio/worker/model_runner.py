@@ -16,7 +16,7 @@ from folio.sample.logprobs import compute_prompt_logprobs
 from folio.sample.metadata import SamplingMetadata
 from folio.sample.sampler import Sampler
 from folio.step_timer import FORWARD, PREPARE_INPUTS, SAMPLE, StepTimer
-from folio.structured.bitmask import bitmask_for_rows
+from folio.structured.bitmask import bitmask_for_rows, constrained_greedy
 from folio.worker.decode_graphs import DecodeGraphs
 from folio.worker.input_batch import ModelInput, prepare_model_input
 from folio.worker.kv_offload import KVTransfer, copy_blocks
@@ -105,8 +105,10 @@ class ModelRunner:
                 model_input.sample_req_ids, sched.structured_output_request_ids, sched.grammar_bitmask, self.device
             )
         greedy_ids = None
-        if metadata is not None and not model_input.prompt_logprobs and self.sampler.only_argmax(metadata):
+        if metadata is not None and not model_input.prompt_logprobs and self.sampler.only_argmax(metadata, True):
             greedy_ids = self.model.compute_greedy_token_ids(rows)  # None where the model has no such path
+            if greedy_ids is not None and metadata.grammar_bitmask is not None:  # logits only where banned
+                greedy_ids = constrained_greedy(greedy_ids, metadata.grammar_bitmask, lambda r: self._logits(rows, r))
         logits = None if greedy_ids is not None else self.model.compute_logits(rows)  # [S + P, vocab]
         if timer is not None:
             timer.lap(FORWARD)
@@ -126,6 +128,9 @@ class ModelRunner:
         if timer is not None:
             timer.lap(SAMPLE)
         return output
+
+    def _logits(self, rows: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_logits(rows.index_select(0, indices))
 
     def _update_states(self, sched: SchedulerOutput) -> None:
         self.requests.remove(sched.finished_req_ids | sched.preempted_req_ids)

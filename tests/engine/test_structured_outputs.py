@@ -202,6 +202,16 @@ def test_greedy_argmax_among_allowed_tokens_has_rank_one(llm: LLM) -> None:
         assert position[token_id].rank == 1
 
 
+def test_greedy_through_the_fused_argmax_equals_greedy_through_masked_logits(llm: LLM) -> None:
+    """Without logprobs a greedy constrained batch takes the model's fused LM-head arg-max and computes logits only
+    for rows whose arg-max the grammar bans; with logprobs every row goes through masked logits. Same tokens."""
+    names = ["nested_object", "enums", "patterned_strings", "top_level_array"]
+    prompts = [f"Some JSON for {name}." for name in names]
+    fast = _chat(llm, prompts, [_json_params(SCHEMAS[n], 0.0) for n in names])
+    full = _chat(llm, prompts, [_json_params(SCHEMAS[n], 0.0, logprobs=0) for n in names])
+    assert [o.outputs[0].token_ids for o in fast] == [o.outputs[0].token_ids for o in full]
+
+
 def test_truncation_is_length_and_stop_strings_still_apply(llm: LLM) -> None:
     truncated = _chat(llm, ["A person as JSON."], _json_params(SCHEMAS["nested_object"], 0.0, max_tokens=4))[0]
     assert truncated.outputs[0].finish_reason == "length" and len(truncated.outputs[0].token_ids) == 4

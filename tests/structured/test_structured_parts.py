@@ -25,7 +25,7 @@ from folio.structured.backend import (
     resolve_backend_name,
     validate_grammar_spec,
 )
-from folio.structured.bitmask import apply_token_bitmask, apply_token_bitmask_rows, bitmask_for_rows
+from folio.structured.bitmask import apply_token_bitmask_rows, bitmask_for_rows, constrained_greedy, masked_logits
 from folio.structured.manager import StructuredOutputManager
 from folio.structured.params import GrammarSpec, StructuredOutputsParams
 
@@ -69,11 +69,29 @@ def test_sampling_params_take_a_dict_and_reject_other_types() -> None:
         SamplingParams(structured_outputs="json")  # type: ignore[arg-type]
 
 
-def test_equal_schemas_in_any_key_order_share_one_spec() -> None:
-    a = StructuredOutputsParams(json={"type": "object", "properties": {"x": {"type": "integer"}}})
-    b = StructuredOutputsParams(json='{"properties": {"x": {"type": "integer"}}, "type": "object"}')
-    assert a.grammar_spec() == b.grammar_spec()
-    assert hash(a.grammar_spec()) == hash(b.grammar_spec())
+def test_equal_schemas_share_one_spec_and_keep_their_property_order() -> None:
+    a = StructuredOutputsParams(json={"type": "object", "properties": {"x": {"type": "integer"}, "a": {}}})
+    b = StructuredOutputsParams(json='{"type": "object",  "properties": {"x": {"type": "integer"}, "a": {}}}')
+    assert a.grammar_spec() == b.grammar_spec() and hash(a.grammar_spec()) == hash(b.grammar_spec())
+    reordered = StructuredOutputsParams(json={"properties": {"a": {}, "x": {"type": "integer"}}, "type": "object"})
+    assert reordered.grammar_spec() != a.grammar_spec()  # the output lists properties in the schema's order
+
+
+@pytest.mark.parametrize("backend_name", BACKENDS)
+def test_properties_come_in_the_schemas_order(backend_name: str) -> None:
+    tokenizer, spec = _tokenizer_and_spec()
+    backend = create_backend(backend_name, tokenizer, spec.vocab_size, list(spec.eos_token_ids))
+    schema = {
+        "type": "object",
+        "properties": {"zeta": {"type": "integer"}, "alpha": {"type": "integer"}},
+        "required": ["zeta", "alpha"],
+        "additionalProperties": False,
+    }
+    compiled = backend.compile(StructuredOutputsParams(json=schema).grammar_spec())
+    in_order = backend.new_matcher(compiled)
+    assert in_order.accept_tokens(tokenizer.encode('{"zeta": 1, "alpha": 2}', add_special_tokens=False))
+    sorted_order = backend.new_matcher(compiled)
+    assert not sorted_order.accept_tokens(tokenizer.encode('{"alpha": 2, "zeta": 1}', add_special_tokens=False))
 
 
 # ---------------------------------------------------------------------------------------------- bitmask
@@ -96,9 +114,7 @@ def test_apply_token_bitmask_matches_the_bit_by_bit_rule(vocab_size: int) -> Non
     bitmask[2] = 0  # all banned
     logits = torch.randn(4, vocab_size)
     expected = _reference_mask(logits, bitmask)
-    work = logits.clone()
-    apply_token_bitmask(work, torch.from_numpy(bitmask))
-    assert torch.equal(work, expected)
+    assert torch.equal(masked_logits(logits, torch.from_numpy(bitmask)), expected)
 
 
 def test_masking_selected_rows_leaves_the_others_and_the_input_alone() -> None:
@@ -117,6 +133,26 @@ def test_bitmask_rows_follow_the_sampling_rows() -> None:
     assert rows is not None and selected is not None
     assert rows.tolist() == [0, 2] and selected.tolist() == [[2, 3], [0, 1]]
     assert bitmask_for_rows(["b"], ["c", "a"], bitmask, torch.device("cpu")) is None
+
+
+def test_constrained_greedy_from_the_unconstrained_argmax_is_exact() -> None:
+    """Rows whose arg-max is allowed keep it (ties: the first index); only banned rows get logits."""
+    logits = torch.tensor(
+        [[1.0, 9, 9, 0], [5.0, 1, 2, 3], [0.0, 7, 1, 7], [2.0, 2, 2, 2]]  # row 2: tie between tokens 1 and 3
+    )
+    bitmask = torch.tensor([[0b0110], [0b1100], [0b1010]], dtype=torch.int32)  # rows 0, 1, 2 constrained
+    rows = torch.tensor([0, 1, 2])
+    asked: list[list[int]] = []
+
+    def logits_of(indices: torch.Tensor) -> torch.Tensor:
+        asked.append(indices.tolist())
+        return logits.index_select(0, indices)
+
+    result = constrained_greedy(logits.argmax(dim=-1), (rows, bitmask), logits_of)
+    expected = logits.argmax(dim=-1).clone()
+    expected[rows] = masked_logits(logits[rows], bitmask).argmax(dim=-1)
+    assert result.tolist() == expected.tolist() == [1, 3, 1, 0]
+    assert asked == [[1]]  # row 1's arg-max (token 0) is banned; rows 0 and 2 keep theirs
 
 
 def test_the_sampler_masks_before_logprobs_and_skips_the_argmax_shortcut() -> None:
