@@ -10,7 +10,7 @@ from typing import Any
 from folio.config import EngineConfig
 from folio.core.kv_cache_manager import KVCacheManager
 from folio.core.sched_output import EngineCoreOutput
-from folio.core.scheduler import Scheduler
+from folio.core.scheduler import Scheduler, SchedulerStats
 from folio.executor.uniproc import UniProcExecutor
 from folio.request import FinishReason, Request
 from folio.step_timer import SCHEDULE, UPDATE_FROM_OUTPUT, StepTimer
@@ -58,6 +58,12 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or self.structured_output_manager.num_waiting > 0
+
+    def get_stats(self) -> SchedulerStats:
+        """The scheduler's snapshot; requests waiting for their grammar count as waiting."""
+        stats = self.scheduler.get_stats()
+        stats.num_waiting += self.structured_output_manager.num_waiting
+        return stats
 
     def step(self) -> list[EngineCoreOutput]:
         structured = self.structured_output_manager

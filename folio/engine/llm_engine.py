@@ -103,5 +103,5 @@ class LLMEngine:
             timer.lap(OUTPUT_PROCESSING)
             timer.end()
         if self.stats_observer is not None:
-            self.stats_observer(self.engine_core.scheduler.get_stats())
+            self.stats_observer(self.engine_core.get_stats())
         return processed.request_outputs
