@@ -278,3 +278,24 @@ def test_a_schema_compiles_once_for_many_requests() -> None:
         manager.take_ready(wait=True)
     assert len(manager.matchers) == 3 and calls == ["tokenizer"]
     manager.shutdown()
+
+
+# ---------------------------------------------------------------------------------------------- config
+
+
+def test_structured_outputs_config_flag_reaches_the_engine_config() -> None:
+    from folio.cli import build_parser, engine_args_from
+
+    ns = build_parser().parse_args(["serve", "--structured-outputs-config", '{"backend": "xgrammar"}'])
+    config = engine_args_from(ns).create_engine_config("model.gguf", 2048)
+    assert config.structured_outputs_config.backend == "xgrammar"
+    default = engine_args_from(build_parser().parse_args(["serve"])).create_engine_config("model.gguf", 2048)
+    assert default.structured_outputs_config.backend == "auto"
+    with pytest.raises(SystemExit):  # argparse: "not valid JSON"
+        build_parser().parse_args(["serve", "--structured-outputs-config", "{backend: x}"])
+    bad = build_parser().parse_args(["serve", "--structured-outputs-config", '{"backend": "outlines"}'])
+    with pytest.raises(ValueError, match="structured_outputs_config.backend must be one of"):
+        engine_args_from(bad).create_engine_config("model.gguf", 2048)
+    unknown = build_parser().parse_args(["serve", "--structured-outputs-config", '{"backend": "auto", "x": 1}'])
+    with pytest.raises(ValueError, match=r"unknown fields \['x'\]"):
+        engine_args_from(unknown).create_engine_config("model.gguf", 2048)
