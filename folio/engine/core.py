@@ -97,13 +97,15 @@ class EngineCore:
         return outputs
 
     def _abort_grammar_violations(self, outputs: list[EngineCoreOutput], rejected: list[str]) -> None:
-        """End requests that sampled a token their grammar forbids (other constraints banned every allowed one)."""
+        """End requests that sampled a token their grammar forbids: other constraints banned every token it allows
+        (min_tokens while only EOS may follow, an allowed_token_ids list outside the grammar). finish_reason abort."""
         if not rejected:
             return
         logger.error("requests %s sampled a token their grammar forbids (conflicting constraints): aborted", rejected)
         self.abort_requests(rejected)
         for output in outputs:
-            if output.request_id in rejected:
+            if output.request_id in rejected:  # the forbidden token is not handed out
+                output.new_token_ids, output.new_logprobs = [], None
                 output.finish_reason = FinishReason.ABORT
                 output.stop_reason = None
 

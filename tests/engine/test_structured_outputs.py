@@ -221,6 +221,15 @@ def test_truncation_is_length_and_stop_strings_still_apply(llm: LLM) -> None:
     assert stopped.finish_reason == "stop" and stopped.stop_reason == " " and re.fullmatch("[a-z]+", stopped.text)
 
 
+def test_constraints_that_ban_every_allowed_token_end_the_request_as_abort(llm: LLM) -> None:
+    """min_tokens bans EOS, the only token a complete choice allows: the request ends with finish_reason abort
+    and only the tokens the grammar allowed; nothing is left allocated (conftest)."""
+    params = SamplingParams(temperature=0.0, max_tokens=8, min_tokens=5, structured_outputs={"choice": ["yes", "no"]})
+    completion = llm.generate(["Answer:"], params, use_tqdm=False)[0].outputs[0]
+    assert completion.finish_reason == "abort"
+    assert completion.text in ("yes", "no")
+
+
 @pytest.mark.parametrize(
     ("params", "message"),
     [
