@@ -24,6 +24,11 @@ def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
         as_bytes = np.ascontiguousarray(bitmask.numpy()).view(np.uint8)  # [R, 4 W]: byte k of word w first
         bits = np.unpackbits(as_bytes, axis=1, bitorder="little")[:, :vocab_size]
         return torch.from_numpy(bits).view(torch.bool)
+    return allowed_tokens_by_shifts(bitmask, vocab_size)
+
+
+def allowed_tokens_by_shifts(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """allowed_tokens in torch ops alone, on the bitmask's device (CUDA; tested on the CPU against unpackbits)."""
     shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
     bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [R, W, 32]
     return bits.view(bitmask.shape[0], -1)[:, :vocab_size].bool()

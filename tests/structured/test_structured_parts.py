@@ -25,7 +25,13 @@ from folio.structured.backend import (
     resolve_backend_name,
     validate_grammar_spec,
 )
-from folio.structured.bitmask import apply_token_bitmask_rows, bitmask_for_rows, constrained_greedy, masked_logits
+from folio.structured.bitmask import (
+    allowed_tokens_by_shifts,
+    apply_token_bitmask_rows,
+    bitmask_for_rows,
+    constrained_greedy,
+    masked_logits,
+)
 from folio.structured.manager import StructuredOutputManager
 from folio.structured.params import GrammarSpec, StructuredOutputsParams
 
@@ -115,6 +121,8 @@ def test_apply_token_bitmask_matches_the_bit_by_bit_rule(vocab_size: int) -> Non
     logits = torch.randn(4, vocab_size)
     expected = _reference_mask(logits, bitmask)
     assert torch.equal(masked_logits(logits, torch.from_numpy(bitmask)), expected)
+    by_shifts = allowed_tokens_by_shifts(torch.from_numpy(bitmask), vocab_size)  # the other devices' path
+    assert torch.equal(torch.where(by_shifts, logits, float("-inf")), expected)
 
 
 def test_masking_selected_rows_leaves_the_others_and_the_input_alone() -> None:
