@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from collections.abc import Mapping, Sequence
@@ -127,6 +128,25 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "says how many), so that a busy neighbour costs its share of the machine, not most of the throughput "
         "(default on)",
     )
+    g.add_argument(
+        "--structured-outputs-config",
+        type=json_object_arg,
+        default=None,
+        metavar="JSON",
+        help='structured outputs (JSON schema, regex, choice, grammar): {"backend": "auto" | "guidance" | '
+        '"xgrammar"}; auto is llguidance (faster to compile and to mask here, see docs/performance.md)',
+    )
+
+
+def json_object_arg(text: str) -> dict[str, object]:
+    """A flag whose value is a JSON object (vLLM's --*-config flags)."""
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:

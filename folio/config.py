@@ -124,6 +124,37 @@ class CpuConfig:
         return resolve_cpu_isa(self.isa, cpu_info()[1], is_x86_64())
 
 
+STRUCTURED_OUTPUTS_BACKENDS = ("auto", "guidance", "xgrammar")
+
+
+@dataclass
+class StructuredOutputsConfig:
+    """vLLM's structured_outputs_config: which grammar library (folio/structured/backend.py; "auto" is llguidance
+    where installed, by the measurements in docs/performance.md)."""
+
+    backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.backend not in STRUCTURED_OUTPUTS_BACKENDS:
+            raise ValueError(
+                f"structured_outputs_config.backend must be one of {STRUCTURED_OUTPUTS_BACKENDS}, got {self.backend!r}"
+            )
+
+    @staticmethod
+    def from_value(value: StructuredOutputsConfig | dict[str, object] | None) -> StructuredOutputsConfig:
+        """From EngineArgs' field: a config, a dict of its fields (as the CLI's JSON gives), or None (defaults)."""
+        if value is None:
+            return StructuredOutputsConfig()
+        if isinstance(value, StructuredOutputsConfig):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(f"structured_outputs_config must be a JSON object, got {value!r}")
+        unknown = set(value) - {"backend"}
+        if unknown:
+            raise ValueError(f"structured_outputs_config has unknown fields {sorted(unknown)}; known: ['backend']")
+        return StructuredOutputsConfig(**value)  # type: ignore[arg-type]
+
+
 @dataclass
 class EngineConfig:
     model_config: ModelConfig
@@ -131,6 +162,7 @@ class EngineConfig:
     scheduler_config: SchedulerConfig
     device: str = "auto"  # "auto" (CUDA if available else CPU), "cpu", "cuda", "cuda:N"
     cpu_config: CpuConfig = field(default_factory=CpuConfig)
+    structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
 
 
 @dataclass
@@ -161,6 +193,8 @@ class EngineArgs:
     cpu_isa: str = "auto"  # CPU kernels' ISA tier: auto, generic, avx2, avx512, avx512_bf16 (not above the CPU's)
     cpu_kv_prefetch_bytes: int | None = None  # fused CPU decoder's K/V prefetch budget (None: half the L3)
     cpu_adaptive_threads: bool = True  # fewer kernel threads while other processes take cores
+    # {"backend": "auto" | "guidance" | "xgrammar"} (vLLM's name), or a StructuredOutputsConfig
+    structured_outputs_config: StructuredOutputsConfig | dict[str, object] | None = None
 
     def create_engine_config(self, model_path: str, model_max_len: int) -> EngineConfig:
         """Resolve defaults that depend on the model; ``model_max_len`` is the model's context length."""
@@ -172,6 +206,11 @@ class EngineArgs:
         if max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
         max_num_batched_tokens = self.max_num_batched_tokens or 2048
+        structured_outputs_config = StructuredOutputsConfig.from_value(self.structured_outputs_config)
+        if structured_outputs_config.backend != "auto":  # a named library must be installed: say so at start-up
+            from folio.structured.backend import resolve_backend_name
+
+            resolve_backend_name(structured_outputs_config.backend)
         if self.preemption_mode == "swap" and self.kv_offloading_size == 0:
             raise ValueError("preemption_mode 'swap' needs a host KV tier: set kv_offloading_size (GiB) > 0")
         return EngineConfig(
@@ -208,4 +247,5 @@ class EngineArgs:
                 kv_prefetch_bytes=self.cpu_kv_prefetch_bytes,
                 adaptive_threads=self.cpu_adaptive_threads,
             ),
+            structured_outputs_config=structured_outputs_config,
         )

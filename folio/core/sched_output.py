@@ -7,7 +7,7 @@ Out of the core to the frontend: ``EngineCoreOutput``. ``Request`` objects never
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from folio.request import FinishReason
 from folio.sampling_params import SamplingParams
@@ -79,6 +79,10 @@ class SchedulerOutput:
     kv_stores: list[tuple[int, int]] = field(default_factory=list)  # (device block id, host block id): to host
     kv_loads: list[tuple[int, int]] = field(default_factory=list)  # (host block id, device block id): to device
     kv_disk: KVDiskPlans = field(default_factory=KVDiskPlans)  # the disk tier's plans (empty without one)
+    # Structured outputs (folio/structured/manager.py): row i of grammar_bitmask (numpy int32 [rows, ceil(V / 32)],
+    # bit set = token allowed) constrains what structured_output_request_ids[i] samples this step.
+    structured_output_request_ids: list[str] = field(default_factory=list)
+    grammar_bitmask: Any = None
 
     @staticmethod
     def make_empty() -> SchedulerOutput:

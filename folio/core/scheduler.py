@@ -75,10 +75,7 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         """Accept a request: into the waiting queue, or aside until its parent's prompt is scheduled (fork)."""
-        if request.request_id in self.requests:
-            raise ValueError(f"request id {request.request_id!r} is already in use")
-        if not 0 < request.num_prompt_tokens <= self.max_model_len:
-            raise ValueError(f"prompt has {request.num_prompt_tokens} tokens; must be 1..{self.max_model_len}")
+        self.check_new_request(request)
         self.requests[request.request_id] = request
         if self.kv_cache_manager.enable_prefix_caching:
             update_request_block_hashes(request, self.block_size)
@@ -87,6 +84,13 @@ class Scheduler:
             self.fork_waitlist.add(parent.request_id, request)
         else:
             self.waiting.add(request)
+
+    def check_new_request(self, request: Request) -> None:
+        """add_request's checks, for a request that waits elsewhere first (its grammar compiling)."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if not 0 < request.num_prompt_tokens <= self.max_model_len:
+            raise ValueError(f"prompt has {request.num_prompt_tokens} tokens; must be 1..{self.max_model_len}")
 
     def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
         """End requests from outside (abort, or a stop string found by the output processor), wherever they are:

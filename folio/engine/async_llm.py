@@ -52,6 +52,7 @@ class AsyncLLM:
             vocab_size=self.model_spec.vocab_size,
             max_model_len=self.config.scheduler_config.max_model_len,
             eos_token_ids=self.model_spec.eos_token_ids,
+            structured_outputs_backend=self.config.structured_outputs_config.backend,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stat_loggers: list[StatLogger] = list(stat_loggers or [])

@@ -1,23 +1,32 @@
-"""EngineCore: one step = schedule -> execute -> update_from_output. No tokenizer here."""
+"""EngineCore: one step = schedule -> execute -> update_from_output. No tokenizer here, except the one the
+structured-output manager loads (on its own thread) at the first constrained request, for the grammar library."""
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from typing import Any
 
 from folio.config import EngineConfig
 from folio.core.kv_cache_manager import KVCacheManager
 from folio.core.sched_output import EngineCoreOutput, SchedulerOutput
-from folio.core.scheduler import Scheduler
+from folio.core.scheduler import Scheduler, SchedulerStats
 from folio.executor.uniproc import UniProcExecutor
-from folio.request import Request
+from folio.request import FinishReason, Request
 from folio.step_timer import SCHEDULE, UPDATE_FROM_OUTPUT, StepTimer
+from folio.structured.manager import StructuredOutputManager
+
+logger = logging.getLogger("folio")
 
 logger = logging.getLogger("folio")
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, executor: UniProcExecutor) -> None:
+    def __init__(
+        self, config: EngineConfig, executor: UniProcExecutor, load_tokenizer: Callable[[], Any] | None = None
+    ) -> None:
+        """``load_tokenizer``: for the grammar library (default: load the model's tokenizer when first needed)."""
         self.config = config
         self.executor = executor
         cache = config.cache_config
@@ -36,28 +45,63 @@ class EngineCore:
         )
         self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager)
         self.step_timer: StepTimer | None = None  # set only by profiling benchmarks (folio.step_timer)
+        self.structured_output_manager = StructuredOutputManager(
+            config.structured_outputs_config.backend,
+            executor.model_spec.vocab_size,
+            list(executor.model_spec.eos_token_ids),
+            load_tokenizer or _tokenizer_loader(config),
+        )
 
     def add_request(self, request: Request) -> None:
-        self.scheduler.add_request(request)
+        """A constrained request waits in the structured-output manager until its grammar is compiled."""
+        if StructuredOutputManager.is_constrained(request):
+            self.scheduler.check_new_request(request)
+            self.structured_output_manager.submit(request)
+        else:
+            self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
+        self.structured_output_manager.remove(request_ids)
         self.scheduler.abort_requests(request_ids)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or self.structured_output_manager.num_waiting > 0
+
+    def get_stats(self) -> SchedulerStats:
+        """The scheduler's snapshot; requests waiting for their grammar count as waiting."""
+        stats = self.scheduler.get_stats()
+        stats.num_waiting += self.structured_output_manager.num_waiting
+        return stats
 
     def step(self) -> list[EngineCoreOutput]:
+        structured = self.structured_output_manager
+        failed = self._admit_compiled_requests() if structured.num_waiting else []
         if not self.scheduler.has_unfinished_requests():
-            return []
+            return failed
         timer = self.step_timer
         scheduler_output = self.scheduler.schedule()
+        structured.fill_bitmask(self.scheduler.requests, scheduler_output)
         if timer is not None:
             timer.lap(SCHEDULE)
             timer.set_batch(len(scheduler_output.num_scheduled_tokens), scheduler_output.total_num_scheduled_tokens)
         runner_output = self.executor.execute_model(scheduler_output)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if structured.matchers:
+            self._abort_grammar_violations(outputs, structured.accept(outputs))
         if timer is not None:
             timer.lap(UPDATE_FROM_OUTPUT)
+        return failed + outputs
+
+    def _admit_compiled_requests(self) -> list[EngineCoreOutput]:
+        """Requests whose grammar is ready go to the scheduler; those whose grammar failed to compile finish
+        (aborted, with the compiler's message in the log). Waits briefly when nothing else could run."""
+        ready, failed = self.structured_output_manager.take_ready(wait=not self.scheduler.has_unfinished_requests())
+        for request in ready:
+            self.scheduler.add_request(request)
+        outputs = []
+        for request, error in failed:
+            logger.error("request %s: its grammar did not compile: %s", request.request_id, error)
+            outputs.append(EngineCoreOutput(request.request_id, [], finish_reason=FinishReason.ABORT))
         return outputs
 
     def shutdown(self) -> None:
@@ -78,3 +122,25 @@ class EngineCore:
             time.perf_counter() - start,
             len(manager.disk_tier),
         )
+
+    def _abort_grammar_violations(self, outputs: list[EngineCoreOutput], rejected: list[str]) -> None:
+        """End requests that sampled a token their grammar forbids: other constraints banned every token it allows
+        (min_tokens while only EOS may follow, an allowed_token_ids list outside the grammar). finish_reason abort."""
+        if not rejected:
+            return
+        logger.error("requests %s sampled a token their grammar forbids (conflicting constraints): aborted", rejected)
+        self.abort_requests(rejected)
+        for output in outputs:
+            if output.request_id in rejected:  # the forbidden token is not handed out
+                output.new_token_ids, output.new_logprobs = [], None
+                output.finish_reason = FinishReason.ABORT
+                output.stop_reason = None
+
+
+def _tokenizer_loader(config: EngineConfig) -> Callable[[], Any]:
+    def load() -> Any:
+        from folio.model.loader import load_tokenizer
+
+        return load_tokenizer(config.model_config.tokenizer or config.model_config.model)
+
+    return load

@@ -99,7 +99,7 @@ def _serve(core: Any, requests_in: Any, outputs_out: Any) -> None:
                 core.abort_requests(message.request_ids)
         # An idle core still reports once after each batch of input, so the frontend sees aborts land.
         outputs = core.step()
-        outputs_out.send(StepOutputs(outputs, core.scheduler.get_stats()))
+        outputs_out.send(StepOutputs(outputs, core.get_stats()))
 
 
 class EngineCoreClient:

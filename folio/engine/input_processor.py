@@ -12,6 +12,7 @@ from typing import Any
 
 from folio.request import Request
 from folio.sampling_params import SamplingParams
+from folio.structured.backend import validate_grammar_spec
 
 PromptType = str | list[int] | dict[str, Any]
 
@@ -23,11 +24,19 @@ class ProcessedPrompt:
 
 
 class InputProcessor:
-    def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int, eos_token_ids: list[int]) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        max_model_len: int,
+        eos_token_ids: list[int],
+        structured_outputs_backend: str = "auto",
+    ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
+        self.structured_outputs_backend = structured_outputs_backend
 
     def tokenize_prompt(self, prompt: PromptType) -> ProcessedPrompt:
         """Accepts a string, a list of token ids, or vLLM's {"prompt": ...} / {"prompt_token_ids": ...} dicts."""
@@ -109,6 +118,8 @@ class InputProcessor:
         if not params.ignore_eos:
             params.all_stop_token_ids |= set(self.eos_token_ids)
         params.bad_words_token_ids = self._bad_words_to_ids(params.bad_words or [])
+        if params.structured_outputs is not None:  # compiles here (cached), so a bad grammar queues nothing
+            validate_grammar_spec(self.structured_outputs_backend, params.structured_outputs.grammar_spec())
         return params
 
     def _bad_words_to_ids(self, bad_words: list[str]) -> list[list[int]]:

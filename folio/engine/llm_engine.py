@@ -27,12 +27,13 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.executor = UniProcExecutor(config)
         self.model_spec = self.executor.model_spec
-        self.engine_core = EngineCore(config, self.executor)
+        self.engine_core = EngineCore(config, self.executor, load_tokenizer=lambda: tokenizer)
         self.input_processor = InputProcessor(
             tokenizer,
             vocab_size=self.model_spec.vocab_size,
             max_model_len=config.scheduler_config.max_model_len,
             eos_token_ids=self.model_spec.eos_token_ids,
+            structured_outputs_backend=config.structured_outputs_config.backend,
         )
         self.output_processor = OutputProcessor(tokenizer)
         self._request_counter = itertools.count()
@@ -102,5 +103,5 @@ class LLMEngine:
             timer.lap(OUTPUT_PROCESSING)
             timer.end()
         if self.stats_observer is not None:
-            self.stats_observer(self.engine_core.scheduler.get_stats())
+            self.stats_observer(self.engine_core.get_stats())
         return processed.request_outputs

@@ -47,6 +47,9 @@ class SamplingMetadata:
     disallowed_token_mask: torch.Tensor | None  # [S, V] bool, True = banned (allowed_token_ids rows)
     bad_words_token_ids: dict[int, list[list[int]]] = field(default_factory=dict)  # row -> sequences
     min_tokens: dict[int, tuple[int, set[int]]] = field(default_factory=dict)  # row -> (min_tokens, stop ids)
+    # Structured outputs: (rows [C] int64, bitmask [C, ceil(V / 32)] int32), bit set = allowed; set by the runner
+    # from the scheduler's grammar bitmask (folio/structured/bitmask.py), None when no row is constrained.
+    grammar_bitmask: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def num_rows(self) -> int:

@@ -2,6 +2,9 @@
 
 The pipeline, in this order (each step is skipped when no row in the batch uses it):
 
+ 0. grammar bitmask (structured outputs): every token the row's grammar forbids is set to -inf, before anything
+    else, so raw logprobs, penalties and temperature all see only what the grammar allows (as vLLM, which masks
+    the logits before its sampler); applied with plain torch ops (folio/structured/bitmask.py);
  1. raw logprobs, if any row asked for them: log_softmax of the model's logits before any processing
     (vLLM's default ``raw_logprobs``), so what users see does not depend on their sampling knobs;
  2. allowed_token_ids: every other token is set to -inf;
@@ -28,6 +31,7 @@ import torch
 
 from folio.sample.logprobs import LogprobsTensors, gather_logprobs
 from folio.sample.metadata import SamplingMetadata
+from folio.structured.bitmask import apply_token_bitmask_rows
 
 _GREEDY_EPS = 1e-5  # temperature below this is greedy (matches SamplingParams.is_greedy)
 
@@ -50,6 +54,8 @@ class Sampler:
             raise ValueError(
                 f"logits have {logits.shape[1]} columns but the metadata vocab_size is {metadata.vocab_size}"
             )
+        if metadata.grammar_bitmask is not None:
+            logits = apply_token_bitmask_rows(logits, *metadata.grammar_bitmask)  # a masked float32 copy
         raw_logprobs = None
         if metadata.max_num_logprobs is not None:
             raw_logprobs = torch.log_softmax(logits.to(torch.float32), dim=-1)  # [S, V]
@@ -62,11 +68,18 @@ class Sampler:
         return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
 
     @staticmethod
-    def only_argmax(metadata: SamplingMetadata) -> bool:
+    def only_argmax(metadata: SamplingMetadata, grammar_checked_after: bool = False) -> bool:
         """Whether sampling these rows is the argmax of the raw logits (all greedy, no logprobs, nothing that
         changes the logits): then the model may hand over token ids instead of logits
-        (LlamaForCausalLM.compute_greedy_token_ids) and the sampler is skipped."""
-        return metadata.all_greedy and metadata.max_num_logprobs is None and not _changes_logits(metadata)
+        (LlamaForCausalLM.compute_greedy_token_ids) and the sampler is skipped. A grammar bitmask rules it out,
+        unless the caller checks every arg-max against it afterwards (``grammar_checked_after``: the runner does,
+        with folio.structured.bitmask.constrained_greedy)."""
+        return (
+            metadata.all_greedy
+            and metadata.max_num_logprobs is None
+            and (metadata.grammar_bitmask is None or grammar_checked_after)
+            and not _changes_logits(metadata)
+        )
 
     def process_logits(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         """Steps 2-6 (masks, bias, penalties) on a float32 copy; returns ``logits`` itself when nothing applies."""

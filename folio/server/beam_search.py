@@ -50,6 +50,8 @@ _UNSUPPORTED_DEFAULTS: dict[str, Any] = {
     "logit_bias": (None, {}),
     "allowed_token_ids": (None,),
     "bad_words": (None, []),
+    "response_format": (None,),
+    "structured_outputs": (None,),
 }
 
 

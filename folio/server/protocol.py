@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler
 from folio.sampling_params import SamplingParams
 from folio.server.input_hygiene import check_text
 from folio.server.limits import MAX_TEMPERATURE
+from folio.server.structured_outputs import ResponseFormat, StructuredOutputsField
 
 # A signed 64-bit integer: what the engine, torch and every client language can hold. Both bounds are powers of two
 # so that the OpenAPI document, whose numbers are floats, states them exactly (2**63 - 1 would round up to 2**63).
@@ -75,6 +76,9 @@ class SamplingFields(RequestBody):
     priority: Int64 = 0
     use_beam_search: bool = False  # vLLM's: n is the beam width (folio/server/beam_search.py)
     length_penalty: float = 1.0
+    # structured outputs (folio/server/structured_outputs.py): OpenAI's field, or vLLM's extra one
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
 
     def to_sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """Raises ValueError naming the field when a value is out of range (SamplingParams validates, plus OpenAI's

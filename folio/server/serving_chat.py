@@ -31,6 +31,7 @@ from folio.server.protocol import (
 )
 from folio.server.serving_base import ChoiceState, ServingContext, engine_error, make_usage, random_id
 from folio.server.streaming import SSE_DONE, AbortingStreamingResponse, cancel_on_disconnect, prime, sse
+from folio.server.structured_outputs import structured_outputs_params
 
 
 class OpenAIServingChat:
@@ -53,6 +54,9 @@ class OpenAIServingChat:
             beam.view
             if beam
             else ctx.make_sampling_params(lambda: body.to_sampling_params(max_tokens, num_top), renames)
+        )
+        params.structured_outputs = structured_outputs_params(
+            body.response_format, body.structured_outputs, ctx.engine.config.structured_outputs_config.backend
         )
         ticket = ctx.admission.admit([len(prompt_ids)], params.n)  # 503 here when full
         handed_over = False  # a streamed response releases the ticket when it ends; otherwise this handler does

@@ -34,6 +34,7 @@ from folio.server.streaming import (
     prime_all,
     sse,
 )
+from folio.server.structured_outputs import structured_outputs_params
 
 
 class OpenAIServingCompletion:
@@ -50,6 +51,9 @@ class OpenAIServingCompletion:
         beam = BeamSearchRequest.build(ctx, body, max_tokens, body.logprobs) if body.use_beam_search else None
         params = (
             beam.view if beam else ctx.make_sampling_params(lambda: body.to_sampling_params(max_tokens, body.logprobs))
+        )
+        params.structured_outputs = structured_outputs_params(
+            body.response_format, body.structured_outputs, ctx.engine.config.structured_outputs_config.backend
         )
         ticket = ctx.admission.admit([len(ids) for _, ids in prompts], params.n)  # 503 here when full
         handed_over = False  # a streamed response releases the ticket when it ends; otherwise this handler does

@@ -17,6 +17,7 @@ from folio.sample.logprobs import compute_prompt_logprobs
 from folio.sample.metadata import SamplingMetadata
 from folio.sample.sampler import Sampler
 from folio.step_timer import FORWARD, PREPARE_INPUTS, SAMPLE, StepTimer
+from folio.structured.bitmask import bitmask_for_rows, constrained_greedy
 from folio.worker.decode_graphs import DecodeGraphs
 from folio.worker.input_batch import ModelInput, prepare_model_input
 from folio.worker.kv_disk import DiskKVTransfer
@@ -99,9 +100,15 @@ class ModelRunner:
         num_sampled = len(model_input.sample_req_ids)
         states = [self.requests[r] for r in model_input.sample_req_ids]
         metadata = self._sampling_metadata(states) if num_sampled else None
+        if metadata is not None and sched.grammar_bitmask is not None:  # structured outputs: the sampler's 1st stage
+            metadata.grammar_bitmask = bitmask_for_rows(
+                model_input.sample_req_ids, sched.structured_output_request_ids, sched.grammar_bitmask, self.device
+            )
         greedy_ids = None
-        if metadata is not None and not model_input.prompt_logprobs and self.sampler.only_argmax(metadata):
+        if metadata is not None and not model_input.prompt_logprobs and self.sampler.only_argmax(metadata, True):
             greedy_ids = self.model.compute_greedy_token_ids(rows)  # None where the model has no such path
+            if greedy_ids is not None and metadata.grammar_bitmask is not None:  # logits only where banned
+                greedy_ids = constrained_greedy(greedy_ids, metadata.grammar_bitmask, lambda r: self._logits(rows, r))
         logits = None if greedy_ids is not None else self.model.compute_logits(rows)  # [S + P, vocab]
         if timer is not None:
             timer.lap(FORWARD)
@@ -148,6 +155,9 @@ class ModelRunner:
                 failures[req_id] = index * self.block_size
         self.requests.remove(set(failures))
         return failures, [block_hash for block_hash, _ in failed]
+
+    def _logits(self, rows: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_logits(rows.index_select(0, indices))
 
     def _update_states(self, sched: SchedulerOutput) -> None:
         self.requests.remove(sched.finished_req_ids | sched.preempted_req_ids)

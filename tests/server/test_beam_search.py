@@ -105,6 +105,16 @@ def test_chat_choices_are_the_offline_beams(client: Any, llm: LLM) -> None:
         ({"stop": ["."]}, "stop", "stop is not supported with use_beam_search"),
         ({"seed": 1}, "seed", "seed is not supported with use_beam_search"),
         ({"temperature": 2.5}, "temperature", "temperature must be in [0, 2], got 2.5"),
+        (
+            {"structured_outputs": {"choice": ["a", "b"]}},
+            "structured_outputs",
+            "structured_outputs is not supported with use_beam_search",
+        ),
+        (
+            {"response_format": {"type": "json_object"}},
+            "response_format",
+            "response_format is not supported with use_beam_search",
+        ),
     ],
 )
 def test_bad_beam_input_is_a_400_naming_the_field(
