@@ -168,7 +168,7 @@ class EngineConfig:
 
 
 # The speculative methods the engine runs; a config naming another is refused at start-up, never ignored.
-IMPLEMENTED_SPECULATIVE_METHODS: tuple[str, ...] = ()
+IMPLEMENTED_SPECULATIVE_METHODS: tuple[str, ...] = ("ngram",)
 
 
 @dataclass

@@ -78,6 +78,8 @@ def test_flag_reaches_engine_args_and_unimplemented_methods_are_refused_not_igno
         "prompt_lookup_max": 4,
         "prompt_lookup_min": 2,
     }
+    config = args.create_engine_config("model.gguf", 2048).speculative_config
+    assert config == SpeculativeConfig("ngram", 3, prompt_lookup_max=4, prompt_lookup_min=2)
     with pytest.raises(SystemExit):  # argparse: "not valid JSON"
         build_parser().parse_args(["serve", "--speculative-config", "{method: ngram}"])
     bad = engine_args_from(build_parser().parse_args(["serve", "--speculative-config", '{"method": "ngram"}']))
