@@ -136,6 +136,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help='structured outputs (JSON schema, regex, choice, grammar): {"backend": "auto" | "guidance" | '
         '"xgrammar"}; auto is llguidance (faster to compile and to mask here, see docs/performance.md)',
     )
+    g.add_argument(
+        "--speculative-config",
+        type=json_object_arg,
+        default=None,
+        metavar="JSON",
+        help='speculative decoding (docs/speculative_decoding.md): {"method": "ngram", "num_speculative_tokens": '
+        'k, "prompt_lookup_max": n, "prompt_lookup_min": m} (vLLM\'s fields)',
+    )
 
 
 def json_object_arg(text: str) -> dict[str, object]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from folio.kernels.isa import IsaTier, cpu_info, is_x86_64, resolve_cpu_isa
+from folio.spec_decode.config import SpeculativeConfig
 
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -163,6 +164,11 @@ class EngineConfig:
     device: str = "auto"  # "auto" (CUDA if available else CPU), "cpu", "cuda", "cuda:N"
     cpu_config: CpuConfig = field(default_factory=CpuConfig)
     structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+    speculative_config: SpeculativeConfig | None = None  # None: no speculative decoding
+
+
+# The speculative methods the engine runs; a config naming another is refused at start-up, never ignored.
+IMPLEMENTED_SPECULATIVE_METHODS: tuple[str, ...] = ("ngram",)
 
 
 @dataclass
@@ -195,6 +201,9 @@ class EngineArgs:
     cpu_adaptive_threads: bool = True  # fewer kernel threads while other processes take cores
     # {"backend": "auto" | "guidance" | "xgrammar"} (vLLM's name), or a StructuredOutputsConfig
     structured_outputs_config: StructuredOutputsConfig | dict[str, object] | None = None
+    # {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n, "prompt_lookup_min": m} (vLLM's
+    # names), or a SpeculativeConfig; None: off
+    speculative_config: SpeculativeConfig | dict[str, object] | None = None
 
     def create_engine_config(self, model_path: str, model_max_len: int) -> EngineConfig:
         """Resolve defaults that depend on the model; ``model_max_len`` is the model's context length."""
@@ -211,6 +220,9 @@ class EngineArgs:
             from folio.structured.backend import resolve_backend_name
 
             resolve_backend_name(structured_outputs_config.backend)
+        speculative_config = SpeculativeConfig.from_value(self.speculative_config)
+        if speculative_config is not None and speculative_config.method not in IMPLEMENTED_SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config.method {speculative_config.method!r} is not implemented yet")
         if self.preemption_mode == "swap" and self.kv_offloading_size == 0:
             raise ValueError("preemption_mode 'swap' needs a host KV tier: set kv_offloading_size (GiB) > 0")
         return EngineConfig(
@@ -248,4 +260,5 @@ class EngineArgs:
                 adaptive_threads=self.cpu_adaptive_threads,
             ),
             structured_outputs_config=structured_outputs_config,
+            speculative_config=speculative_config,
         )

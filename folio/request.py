@@ -71,6 +71,8 @@ class Request:
     # position 0 yields those rows again (Scheduler drops them instead of delivering them twice).
     num_prompt_logprobs_delivered: int = 0
     first_scheduled_time: float | None = None  # time.monotonic() when first given tokens (queue-time metric)
+    # Speculative decoding: drafts proposed by the worker for the next step (docs/speculative_decoding.md).
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -83,6 +83,9 @@ class SchedulerOutput:
     # bit set = token allowed) constrains what structured_output_request_ids[i] samples this step.
     structured_output_request_ids: list[str] = field(default_factory=list)
     grammar_bitmask: Any = None
+    # Speculative decoding: req_id -> the draft tokens scheduled after its last token (counted in
+    # num_scheduled_tokens); the worker verifies them in this step's forward (docs/speculative_decoding.md).
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @staticmethod
     def make_empty() -> SchedulerOutput:
@@ -119,6 +122,8 @@ class ModelRunnerOutput:
     # dropped by the worker, as if preempted: req_id -> tokens whose K/V are valid (before the first failed block).
     kv_load_failures: dict[str, int] = field(default_factory=dict)
     failed_disk_hashes: list[int] = field(default_factory=list)  # their block hashes: dropped from the disk index
+    # Speculative decoding: req_id -> drafts proposed after this step's tokens, for the next step (may be empty).
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass

@@ -37,6 +37,7 @@ from folio.core.sched_output import (
     SchedulerOutput,
 )
 from folio.core.sched_stats import SchedulerStats
+from folio.core.spec_decode import SpecDecodingStats, keep_drafts, roll_back_rejected, take_scheduled_drafts
 from folio.core.step_plan import StepPlan
 from folio.core.stop import check_stop
 from folio.request import Request, RequestStatus
@@ -70,6 +71,7 @@ class Scheduler:
         self._worker_req_ids: set[str] = set()  # requests the worker holds (sent as NewRequestData, not dropped)
         self.num_preemptions_total = 0
         self.preemption = PreemptionStrategy(scheduler_config.preemption_mode, kv_cache_manager)
+        self.spec_decoding_stats = SpecDecodingStats()  # totals since start
 
     # ---------------------------------------------------------------- requests in and out
 
@@ -144,7 +146,8 @@ class Scheduler:
         return output
 
     def _num_tokens_to_schedule(self, request: Request, num_computed_tokens: int, token_budget: int) -> int:
-        num_new_tokens = request.num_tokens - num_computed_tokens
+        """Drafts (``spec_token_ids``) count as tokens to compute; the caps below may cut them short."""
+        num_new_tokens = request.num_tokens + len(request.spec_token_ids) - num_computed_tokens
         threshold = self.scheduler_config.long_prefill_token_threshold
         if threshold > 0:
             num_new_tokens = min(num_new_tokens, threshold)
@@ -186,6 +189,7 @@ class Scheduler:
         plan.remove(request.request_id)
         self.preemption.release_blocks(request)
         request.status = RequestStatus.PREEMPTED
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions_total += 1
         self._worker_req_ids.discard(request.request_id)
@@ -220,7 +224,11 @@ class Scheduler:
         new_reqs: list[NewRequestData] = []
         cached_reqs = CachedRequestData()
         block_copies: list[tuple[int, int]] = []
+        spec_decode_tokens: dict[str, list[int]] = {}
         for req_id, request in plan.scheduled.items():
+            drafts = take_scheduled_drafts(request, plan.num_scheduled_tokens[req_id])
+            if drafts:
+                spec_decode_tokens[req_id] = drafts
             allocation = plan.allocations[req_id]
             block_copies.extend(allocation.block_copies)
             if req_id in self._worker_req_ids:
@@ -254,6 +262,7 @@ class Scheduler:
             kv_stores=kv_stores,
             kv_loads=kv_loads,
             kv_disk=self.kv_cache_manager.take_disk_plans(),
+            scheduled_spec_decode_tokens=spec_decode_tokens,
         )
         self.finished_req_ids = set()
         return output
@@ -300,7 +309,11 @@ class Scheduler:
                 if row is not None and row < len(model_runner_output.logprobs)
                 else None
             )
+            num_drafts = len(scheduler_output.scheduled_spec_decode_tokens.get(req_id, ()))
+            roll_back_rejected(request, num_drafts, len(sampled), self.spec_decoding_stats)
             output = self._update_request(request, sampled, logprobs, model_runner_output.prompt_logprobs.get(req_id))
+            if request.status == RequestStatus.RUNNING:
+                keep_drafts(request, model_runner_output.draft_token_ids.get(req_id))
             if output is not None:
                 outputs.append(output)
                 any_finished = any_finished or output.finished

@@ -2,12 +2,13 @@
 
 Rows of the step follow the order of ``SchedulerOutput.num_scheduled_tokens``. Logits are computed only where
 they are used: the last row of each request whose chunk reaches the end of its known tokens (it samples), and
-the prompt rows of requests that asked for prompt logprobs.
+the prompt rows of requests that asked for prompt logprobs. A request with k draft tokens (speculative decoding)
+has them appended to its query and gets its last k + 1 rows verified instead of one sampled row.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -33,6 +34,10 @@ class ModelInput:
     logits_indices: torch.Tensor  # [S + P] int64 rows of the hidden states that need logits
     sample_req_ids: list[str]  # the S requests that sample; their logits are rows [0, S)
     prompt_logprobs: list[PromptLogprobsSlice]  # rows [S, S + P)
+    # Speculative decoding: requests with drafts and their drafts; their k + 1 rows each follow, in this order,
+    # from row S + P on. Example: drafts {a: [7, 8], b: [9]} -> rows S + P + [0, 1, 2] for a, [3, 4] for b.
+    spec_req_ids: list[str] = field(default_factory=list)
+    spec_draft_token_ids: list[list[int]] = field(default_factory=list)
 
 
 def prepare_model_input(
@@ -40,6 +45,7 @@ def prepare_model_input(
     num_scheduled: list[int],
     block_size: int,
     device: torch.device,
+    spec_decode_tokens: dict[str, list[int]] | None = None,
 ) -> ModelInput:
     """Build the flattened batch.
 
@@ -67,13 +73,24 @@ def prepare_model_input(
     for i, state in enumerate(states):
         block_table[i, : len(state.block_ids)] = state.block_ids
         start = int(num_computed[i])
-        input_ids[cu_num_tokens[i] : cu_num_tokens[i + 1]] = state.token_slice(start, start + int(counts[i]))
+        drafts = spec_decode_tokens.get(state.req_id, []) if spec_decode_tokens else []
+        known = state.token_slice(start, start + int(counts[i]) - len(drafts))
+        input_ids[cu_num_tokens[i] : cu_num_tokens[i + 1]] = known + drafts if drafts else known
     slot_mapping = (
         block_table[req_index, positions // block_size].astype(np.int64) * block_size + positions % block_size
     )
 
     sample_rows, sample_req_ids, prompt_slices, prompt_rows = _logits_plan(states, num_computed, counts, cu_num_tokens)
-    logits_indices = np.array(sample_rows + prompt_rows, dtype=np.int64)
+    spec_req_ids: list[str] = []
+    spec_draft_token_ids: list[list[int]] = []
+    spec_rows: list[int] = []
+    if spec_decode_tokens:
+        sample_rows, sample_req_ids = _move_spec_rows(
+            states, cu_num_tokens, spec_decode_tokens, sample_rows, sample_req_ids, spec_rows
+        )
+        spec_req_ids = [s.req_id for s in states if spec_decode_tokens.get(s.req_id)]
+        spec_draft_token_ids = [spec_decode_tokens[r] for r in spec_req_ids]
+    logits_indices = np.array(sample_rows + prompt_rows + spec_rows, dtype=np.int64)
 
     def to_device(a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(a).to(device, non_blocking=True)
@@ -95,7 +112,27 @@ def prepare_model_input(
         logits_indices=to_device(logits_indices),
         sample_req_ids=sample_req_ids,
         prompt_logprobs=prompt_slices,
+        spec_req_ids=spec_req_ids,
+        spec_draft_token_ids=spec_draft_token_ids,
     )
+
+
+def _move_spec_rows(
+    states: list[CachedRequestState],
+    cu_num_tokens: np.ndarray,
+    spec_decode_tokens: dict[str, list[int]],
+    sample_rows: list[int],
+    sample_req_ids: list[str],
+    spec_rows: list[int],
+) -> tuple[list[int], list[str]]:
+    """Requests with drafts leave the sampled rows; their last k + 1 rows go to ``spec_rows`` (in batch order)."""
+    for i, state in enumerate(states):
+        num_drafts = len(spec_decode_tokens.get(state.req_id, ()))
+        if num_drafts:
+            end = int(cu_num_tokens[i + 1])
+            spec_rows.extend(range(end - num_drafts - 1, end))
+    kept = [(row, r) for row, r in zip(sample_rows, sample_req_ids, strict=True) if not spec_decode_tokens.get(r)]
+    return [row for row, _ in kept], [r for _, r in kept]
 
 
 def _logits_plan(

@@ -16,6 +16,7 @@ from folio.model.noop import NoopCausalLM
 from folio.sample.logprobs import compute_prompt_logprobs
 from folio.sample.metadata import SamplingMetadata
 from folio.sample.sampler import Sampler
+from folio.spec_decode.ngram_proposer import NgramProposer
 from folio.step_timer import FORWARD, PREPARE_INPUTS, SAMPLE, StepTimer
 from folio.structured.bitmask import bitmask_for_rows, constrained_greedy
 from folio.worker.decode_graphs import DecodeGraphs
@@ -23,6 +24,7 @@ from folio.worker.input_batch import ModelInput, prepare_model_input
 from folio.worker.kv_disk import DiskKVTransfer
 from folio.worker.kv_offload import KVTransfer, copy_blocks
 from folio.worker.request_state import CachedRequestState, RequestStates
+from folio.worker.spec_decode import propose_drafts, verify_greedy
 
 _SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (seed, step) pairs over the 64-bit space
 
@@ -56,6 +58,7 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None  # set by enable_decode_graphs
         self.kv_transfer: KVTransfer | None = None  # set by the worker when a host KV tier exists
         self.kv_disk: DiskKVTransfer | None = None  # set by the worker when a disk tier exists under it
+        self.proposer: NgramProposer | None = None  # set by the worker with a speculative_config
 
     def enable_decode_graphs(
         self, max_num_seqs: int, max_model_len: int, scratch_slot: int, capture: bool
@@ -87,7 +90,11 @@ class ModelRunner:
             return ModelRunnerOutput([], [], [], kv_load_failures=failures, failed_disk_hashes=failed_hashes)
         states = [self.requests[r] for r in req_ids]
         model_input = prepare_model_input(
-            states, [sched.num_scheduled_tokens[r] for r in req_ids], self.block_size, self.device
+            states,
+            [sched.num_scheduled_tokens[r] for r in req_ids],
+            self.block_size,
+            self.device,
+            sched.scheduled_spec_decode_tokens,
         )
         timer = self.step_timer
         if timer is not None:
@@ -96,7 +103,11 @@ class ModelRunner:
             hidden = self.decode_graphs.run(model_input)
         else:
             hidden = self.model(model_input.input_ids, model_input.positions, self.kv_caches, model_input.attn)
-        rows = hidden[model_input.logits_indices]  # [S + P, hidden]
+        rows = hidden[model_input.logits_indices]  # [S + P + sum(k_i + 1), hidden]
+        spec_rows = None
+        if model_input.spec_req_ids:  # speculative decoding: the drafted requests' rows come last
+            num_main_rows = rows.shape[0] - sum(len(d) + 1 for d in model_input.spec_draft_token_ids)
+            rows, spec_rows = rows[:num_main_rows], rows[num_main_rows:]
         num_sampled = len(model_input.sample_req_ids)
         states = [self.requests[r] for r in model_input.sample_req_ids]
         metadata = self._sampling_metadata(states) if num_sampled else None
@@ -109,7 +120,8 @@ class ModelRunner:
             greedy_ids = self.model.compute_greedy_token_ids(rows)  # None where the model has no such path
             if greedy_ids is not None and metadata.grammar_bitmask is not None:  # logits only where banned
                 greedy_ids = constrained_greedy(greedy_ids, metadata.grammar_bitmask, lambda r: self._logits(rows, r))
-        logits = None if greedy_ids is not None else self.model.compute_logits(rows)  # [S + P, vocab]
+        no_logits = greedy_ids is not None or rows.shape[0] == 0
+        logits = None if no_logits else self.model.compute_logits(rows)  # [S + P, vocab]
         if timer is not None:
             timer.lap(FORWARD)
         sampled: dict[str, tuple[list[int], LogprobsLists | None]] = {}
@@ -119,6 +131,12 @@ class ModelRunner:
             assert logits is not None
             sampled = self._sample(logits[:num_sampled], metadata, states)
         prompt_logprobs = {} if logits is None else self._prompt_logprobs(logits[num_sampled:], model_input)
+        if spec_rows is not None:
+            verified = verify_greedy(spec_rows, model_input, self.requests, self._greedy_token_ids)
+            sampled.update({req_id: (tokens, None) for req_id, tokens in verified.items()})
+        drafts = {}
+        if self.proposer is not None:
+            drafts = propose_drafts(self.proposer, sampled, self.requests, sched.structured_output_request_ids)
         output = ModelRunnerOutput(
             req_ids=req_ids,
             sampled_token_ids=[sampled.get(r, ([], None))[0] for r in req_ids],
@@ -126,6 +144,7 @@ class ModelRunner:
             prompt_logprobs=prompt_logprobs,
             kv_load_failures=failures,
             failed_disk_hashes=failed_hashes,
+            draft_token_ids=drafts,
         )
         if timer is not None:
             timer.lap(SAMPLE)
@@ -155,6 +174,11 @@ class ModelRunner:
                 failures[req_id] = index * self.block_size
         self.requests.remove(set(failures))
         return failures, [block_hash for block_hash, _ in failed]
+
+    def _greedy_token_ids(self, rows: torch.Tensor) -> torch.Tensor:
+        """[R, hidden] -> [R] arg-max token ids, by the same path a greedy step without drafts takes."""
+        token_ids = self.model.compute_greedy_token_ids(rows)
+        return token_ids if token_ids is not None else self.model.compute_logits(rows).argmax(dim=-1)
 
     def _logits(self, rows: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(rows.index_select(0, indices))

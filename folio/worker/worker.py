@@ -18,6 +18,7 @@ from folio.kernels.hugepages import empty_hugepage_backed
 from folio.model.llama import LlamaForCausalLM
 from folio.model.loader import ModelSpec, load_model
 from folio.model.noop import NoopCausalLM
+from folio.spec_decode.ngram_proposer import NgramProposer
 from folio.worker.cpu_threads import CpuThreadGovernor
 from folio.worker.kv_disk import DiskKVTransfer, open_disk_tier
 from folio.worker.kv_offload import HostKVCache, KVTransfer, mem_available_bytes, resolve_num_host_blocks
@@ -114,6 +115,13 @@ class Worker:
             self.spec.vocab_size,
             self.device,
         )
+        speculative = config.speculative_config
+        if speculative is not None and speculative.method == "ngram":
+            assert speculative.num_speculative_tokens is not None
+            assert speculative.prompt_lookup_min is not None and speculative.prompt_lookup_max is not None
+            self.model_runner.proposer = NgramProposer(
+                speculative.num_speculative_tokens, speculative.prompt_lookup_min, speculative.prompt_lookup_max
+            )
         # After the device cache, so that on the CPU the RAM check sees what the device cache already took.
         self.host_kv_cache = self._allocate_host_tier(noop)
         if self.host_kv_cache is not None:

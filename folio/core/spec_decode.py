@@ -1,0 +1,59 @@
+"""The scheduler's side of speculative decoding (docs/speculative_decoding.md): which scheduled tokens are drafts,
+the roll-back of the rejected ones, the drafts kept for the next step, and the counters (vLLM's
+``SpecDecodingStats`` names: the base of the ``folio:spec_decode_*`` metrics).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from folio.request import Request
+
+
+@dataclass
+class SpecDecodingStats:
+    num_drafts: int = 0  # verifications of one request's drafts
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)  # [k]: accepted at draft position j
+
+    def observe(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+        """One verification: ``num_accepted_tokens`` of a request's ``num_draft_tokens`` drafts (a prefix) accepted."""
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted_tokens
+        if len(self.num_accepted_tokens_per_pos) < num_draft_tokens:
+            self.num_accepted_tokens_per_pos.extend([0] * (num_draft_tokens - len(self.num_accepted_tokens_per_pos)))
+        for position in range(num_accepted_tokens):
+            self.num_accepted_tokens_per_pos[position] += 1
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens per verification: 1 + accepted / drafts (1.0 before any)."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+
+def take_scheduled_drafts(request: Request, num_scheduled_tokens: int) -> list[int]:
+    """The drafts among a request's scheduled tokens (those past its known tokens: all its drafts, or as many as
+    the step's caps left), before num_computed_tokens advances. Clears ``spec_token_ids``: drafts are used once."""
+    num_drafts = num_scheduled_tokens - (request.num_tokens - request.num_computed_tokens)
+    drafts = request.spec_token_ids[:num_drafts] if num_drafts > 0 else []
+    request.spec_token_ids = []
+    return drafts
+
+
+def roll_back_rejected(request: Request, num_drafts: int, num_sampled: int, stats: SpecDecodingStats) -> None:
+    """After verification: ``num_sampled`` = a accepted drafts + 1 token. The K/V of the rejected drafts' positions
+    were written but are not this request's tokens: num_computed_tokens no longer counts them (before any block
+    is hashed or cached), and the next step overwrites them."""
+    if num_drafts == 0 or num_sampled == 0:
+        return
+    request.num_computed_tokens -= num_drafts + 1 - num_sampled
+    stats.observe(num_drafts, num_sampled - 1)
+
+
+def keep_drafts(request: Request, draft_token_ids: list[int] | None) -> None:
+    """The worker's drafts for the next step, cut so that the last token they can yield (a + 1 tokens for a
+    accepted drafts) is still within max_tokens."""
+    room = request.max_tokens - request.num_output_tokens - 1
+    request.spec_token_ids = list(draft_token_ids[: max(0, room)]) if draft_token_ids else []

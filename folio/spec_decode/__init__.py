@@ -1,0 +1,1 @@
+"""Speculative decoding: the config and the proposers (docs/speculative_decoding.md)."""

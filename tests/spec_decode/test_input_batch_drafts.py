@@ -1,0 +1,36 @@
+"""prepare_model_input with drafts: a request's query is its next token plus its drafts, and the k + 1 rows that
+verify them come after the sampled and prompt-logprob rows, exactly."""
+
+from __future__ import annotations
+
+import torch
+
+from folio.sampling_params import SamplingParams
+from folio.worker.input_batch import prepare_model_input
+from folio.worker.request_state import CachedRequestState
+
+
+def state(req_id: str, prompt: list[int], output: list[int], blocks: list[int], computed: int) -> CachedRequestState:
+    return CachedRequestState(req_id, prompt, output, SamplingParams(temperature=0.0), blocks, computed)
+
+
+def test_drafts_extend_the_query_and_get_verification_rows() -> None:
+    a = state("a", [1, 2, 3], [4], [5, 6], 3)  # decode of token 4 at position 3 + drafts [7, 8] at 4, 5
+    b = state("b", [9, 10], [11], [2], 2)  # plain decode: samples one row
+    c = state("c", [12, 13, 14, 15, 16], [], [3, 4], 0)  # a prompt
+    model_input = prepare_model_input([a, b, c], [3, 1, 5], 4, torch.device("cpu"), {"a": [7, 8]})
+    assert model_input.input_ids.tolist() == [4, 7, 8, 11, 12, 13, 14, 15, 16]
+    assert model_input.positions.tolist() == [3, 4, 5, 2, 0, 1, 2, 3, 4]
+    assert model_input.attn.seq_lens_cpu == [6, 3, 5]
+    # a's positions 4, 5 -> block 6 (index 1): slots 24, 25
+    assert model_input.attn.slot_mapping.tolist()[:3] == [5 * 4 + 3, 6 * 4 + 0, 6 * 4 + 1]
+    assert model_input.sample_req_ids == ["b", "c"]
+    assert model_input.logits_indices.tolist() == [3, 8, 0, 1, 2]  # b's row, c's last row, then a's 3 rows
+    assert (model_input.spec_req_ids, model_input.spec_draft_token_ids) == (["a"], [[7, 8]])
+
+
+def test_no_drafts_changes_nothing() -> None:
+    a = state("a", [1, 2, 3], [4], [5], 3)
+    model_input = prepare_model_input([a], [1], 4, torch.device("cpu"), {})
+    assert (model_input.input_ids.tolist(), model_input.logits_indices.tolist()) == ([4], [0])
+    assert (model_input.sample_req_ids, model_input.spec_req_ids) == (["a"], [])
