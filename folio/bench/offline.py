@@ -24,7 +24,7 @@ PROFILE_MODELS = ("noop", "real", "both")
 
 
 def _make_llm(ns: argparse.Namespace, **overrides: Any) -> Any:
-    from folio.cli import engine_args_from
+    from folio.engine_flags import engine_args_from
     from folio.llm import LLM
 
     return LLM(**{**vars(engine_args_from(ns)), **overrides})

@@ -82,7 +82,8 @@ def add_sweep_args(parser: argparse.ArgumentParser) -> None:
 
 def check_serve_args(serve_args: list[str]) -> argparse.Namespace:
     """Parses the pass-through flags as `folio serve` would, so a typo fails before any server starts."""
-    from folio.cli import add_engine_args, add_serve_args
+    from folio.cli import add_serve_args
+    from folio.engine_flags import add_engine_args
 
     for arg in serve_args:
         name = arg.split("=", 1)[0]

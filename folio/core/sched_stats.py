@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from folio.core.disk_tier import DiskKVTier
 from folio.core.offload import HostKVTier
+
+if TYPE_CHECKING:
+    from folio.core.kv_cache_manager import KVCacheManager
 
 
 @dataclass
@@ -35,6 +39,31 @@ class SchedulerStats:
     kv_offload_blocks_from_disk_total: int = 0  # files loaded into device blocks (disk prefix hits)
     kv_offload_disk_usage: float = 0.0  # fraction of the disk tier's blocks holding a block
     kv_offload_disk_failed_loads_total: int = 0  # loads the worker could not do (missing or foreign file)
+
+    @classmethod
+    def snapshot(
+        cls,
+        kv: KVCacheManager,
+        num_running: int,
+        num_waiting: int,
+        num_preemptions_total: int,
+        num_swapped_preemptions_total: int,
+        num_kv_live_tokens: int,
+    ) -> SchedulerStats:
+        """The scheduler's counts, with every KV figure read from the cache manager and its tiers."""
+        stats = cls(
+            num_running=num_running,
+            num_waiting=num_waiting,
+            kv_cache_usage=kv.usage,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+            num_preemptions_total=num_preemptions_total,
+            num_kv_live_tokens=num_kv_live_tokens,
+            num_kv_held_slots=kv.num_used_blocks * kv.block_size,
+            num_swapped_preemptions_total=num_swapped_preemptions_total,
+        )
+        stats.set_tiers(kv.host_tier, kv.disk_tier)
+        return stats
 
     def set_tiers(self, host: HostKVTier | None, disk: DiskKVTier | None) -> None:
         """Fill the host and disk tiers' fields from their counters (left 0 for a tier that does not exist)."""

@@ -185,15 +185,19 @@ class Scheduler:
 
         It resumes as a NewRequestData carrying its output tokens so far, and continues exactly where it stopped.
         """
-        _remove_by_identity(self.running, request)
         plan.remove(request.request_id)
         self.preemption.release_blocks(request)
-        request.status = RequestStatus.PREEMPTED
-        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions_total += 1
-        self._worker_req_ids.discard(request.request_id)
         plan.preempted_req_ids.add(request.request_id)
+        self._requeue(request)
+
+    def _requeue(self, request: Request) -> None:
+        """Out of running and of the worker's requests, drafts dropped, first in line to be scheduled again."""
+        _remove_by_identity(self.running, request)
+        request.status = RequestStatus.PREEMPTED
+        request.spec_token_ids = []
+        self._worker_req_ids.discard(request.request_id)
         self.waiting.prepend(request)
 
     def _schedule_waiting(self, plan: StepPlan) -> None:
@@ -334,10 +338,7 @@ class Scheduler:
             self.kv_cache_manager.cache_computed_blocks(request)
             self.kv_cache_manager.free(request)
             request.num_computed_tokens = 0
-            request.status = RequestStatus.PREEMPTED
-            _remove_by_identity(self.running, request)
-            self._worker_req_ids.discard(req_id)
-            self.waiting.prepend(request)
+            self._requeue(request)
 
     def _update_request(
         self,
@@ -398,19 +399,14 @@ class Scheduler:
         return self.kv_cache_manager.usage
 
     def get_stats(self) -> SchedulerStats:
-        stats = SchedulerStats(
+        return SchedulerStats.snapshot(
+            self.kv_cache_manager,
             num_running=self.num_running,
             num_waiting=self.num_waiting,
-            kv_cache_usage=self.kv_cache_usage,
-            prefix_cache_queries=self.kv_cache_manager.prefix_cache_queries,
-            prefix_cache_hits=self.kv_cache_manager.prefix_cache_hits,
             num_preemptions_total=self.num_preemptions_total,
-            num_kv_live_tokens=sum(request.num_computed_tokens for request in self.running),
-            num_kv_held_slots=self.kv_cache_manager.num_used_blocks * self.kv_cache_manager.block_size,
             num_swapped_preemptions_total=self.preemption.num_swapped_preemptions_total,
+            num_kv_live_tokens=sum(request.num_computed_tokens for request in self.running),
         )
-        stats.set_tiers(self.kv_cache_manager.host_tier, self.kv_cache_manager.disk_tier)
-        return stats
 
 
 def _queue_time(request: Request) -> float | None:

@@ -166,3 +166,14 @@ def wait_until(predicate: Any, timeout_s: float, interval_s: float = 0.2) -> boo
         if time.monotonic() > deadline:
             return False
         time.sleep(interval_s)
+
+
+def direction_values(logger: Any) -> dict[tuple[str, str], float]:
+    """A PrometheusStatLogger's samples, in process: (sample name, its direction label or '') -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[tuple[str, str], float] = {}
+    for family in text_string_to_metric_families(logger.render().decode()):
+        for sample in family.samples:
+            out[(sample.name, sample.labels.get("direction", ""))] = sample.value
+    return out

@@ -4,10 +4,9 @@ gauge follows the last snapshot, and all are exposed at 0 before the first step.
 
 from __future__ import annotations
 
-from prometheus_client.parser import text_string_to_metric_families
-
 from folio.engine.stats import IterationStats, SchedulerStats
 from folio.server.metrics import PrometheusStatLogger
+from tests.server.conftest import direction_values
 
 KEYS = [
     ("folio:kv_offload_blocks_total", "to_disk"),
@@ -15,14 +14,6 @@ KEYS = [
     ("folio:kv_offload_disk_usage_perc", ""),
     ("folio:kv_offload_disk_failed_loads_total", ""),
 ]
-
-
-def _values(logger: PrometheusStatLogger) -> dict[tuple[str, str], float]:
-    out: dict[tuple[str, str], float] = {}
-    for family in text_string_to_metric_families(logger.render().decode()):
-        for sample in family.samples:
-            out[(sample.name, sample.labels.get("direction", ""))] = sample.value
-    return out
 
 
 def _snapshot(to_disk: int, from_disk: int, usage: float, failed: int) -> SchedulerStats:
@@ -36,9 +27,9 @@ def _snapshot(to_disk: int, from_disk: int, usage: float, failed: int) -> Schedu
 
 def test_disk_tier_counters_follow_the_snapshots() -> None:
     prom = PrometheusStatLogger("m")
-    assert [_values(prom)[key] for key in KEYS] == [0.0] * 4
+    assert [direction_values(prom)[key] for key in KEYS] == [0.0] * 4
     prom.record(_snapshot(5, 2, 0.25, 1), IterationStats())
     prom.record(_snapshot(9, 2, 0.5, 1), IterationStats())
     prom.record(SchedulerStats(0, 0, 0.0, 0, 0, 0), IterationStats())  # no disk tier: nothing moves back
-    assert [_values(prom)[key] for key in KEYS] == [9.0, 2.0, 0.0, 1.0]
-    assert _values(prom)[("folio:kv_offload_blocks_total", "to_cpu")] == 0.0  # the host tier's own directions
+    assert [direction_values(prom)[key] for key in KEYS] == [9.0, 2.0, 0.0, 1.0]
+    assert direction_values(prom)[("folio:kv_offload_blocks_total", "to_cpu")] == 0.0  # the host tier's own directions

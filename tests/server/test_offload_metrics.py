@@ -8,10 +8,10 @@ import logging
 from dataclasses import dataclass
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from folio.engine.stats import IterationStats, SchedulerStats
 from folio.server.metrics import LoggingStatLogger, PrometheusStatLogger
+from tests.server.conftest import direction_values
 
 
 @dataclass
@@ -26,22 +26,13 @@ class TieredStats(SchedulerStats):
     num_swapped_preemptions_total: int = 0
 
 
-def _values(logger: PrometheusStatLogger) -> dict[tuple[str, str], float]:
-    """(sample name, direction label or '') -> value."""
-    out: dict[tuple[str, str], float] = {}
-    for family in text_string_to_metric_families(logger.render().decode()):
-        for sample in family.samples:
-            out[(sample.name, sample.labels.get("direction", ""))] = sample.value
-    return out
-
-
 def _snapshot(**fields: float) -> TieredStats:
     return TieredStats(0, 0, 0.0, 0, 0, 0, **fields)  # type: ignore[arg-type]
 
 
 def test_host_tier_counters_follow_the_snapshots() -> None:
     prom = PrometheusStatLogger("m")
-    values = _values(prom)
+    values = direction_values(prom)
     for key in [
         ("folio:kv_offload_blocks_total", "to_cpu"),
         ("folio:kv_offload_blocks_total", "to_device"),
@@ -64,7 +55,7 @@ def test_host_tier_counters_follow_the_snapshots() -> None:
         IterationStats(),
     )
     prom.record(SchedulerStats(0, 0, 0.0, 0, 0, 0), IterationStats())  # no host-tier fields: nothing moves back
-    values = _values(prom)
+    values = direction_values(prom)
     assert values[("folio:kv_offload_blocks_total", "to_cpu")] == 7
     assert values[("folio:kv_offload_blocks_total", "to_device")] == 3
     assert values[("folio:kv_offload_cpu_usage_perc", "")] == 0.0  # the last snapshot's

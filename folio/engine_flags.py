@@ -1,0 +1,158 @@
+"""The engine's command-line flags (vLLM's names), shared by `folio serve | generate | chat` and `folio bench`:
+defined once here from EngineArgs' defaults, and turned back into EngineArgs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import fields
+
+from folio.config import MODEL_IMPLS, PREEMPTION_MODES, SCHEDULING_POLICIES, SUPPORTED_DTYPES, EngineArgs
+from folio.kernels.isa import CPU_ISA_CHOICES
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Engine flags with vLLM's names; defaults come from EngineArgs."""
+    d = EngineArgs()
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="GGUF file or Hugging Face directory (default: SmolLM2-135M-Instruct)")
+    g.add_argument("--tokenizer", default=None, help="tokenizer path (default: the model's)")
+    g.add_argument("--dtype", default=d.dtype, choices=SUPPORTED_DTYPES, help="weights and activations type")
+    g.add_argument("--seed", type=int, default=d.seed, help="seed of the engine's random state")
+    g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
+    g.add_argument(
+        "--kv-cache-memory-bytes",
+        type=int,
+        default=None,
+        help="KV cache size in bytes (default on CPU: 30%% of free RAM, at most 4 GiB; on CUDA: sized from "
+        "--gpu-memory-utilization)",
+    )
+    g.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=d.gpu_memory_utilization,
+        help=f"CUDA: fraction of GPU memory for weights, activations and KV cache (default {d.gpu_memory_utilization})",
+    )
+    g.add_argument("--num-gpu-blocks-override", type=int, default=None, help="force the number of KV blocks")
+    g.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=d.enable_prefix_caching,
+        help="reuse the KV blocks of shared prompt prefixes across requests (default on)",
+    )
+    g.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=d.max_num_seqs,
+        help=f"most sequences in one step (default {d.max_num_seqs})",
+    )
+    g.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one step (default 2048)")
+    g.add_argument(
+        "--scheduling-policy",
+        default=d.scheduling_policy,
+        choices=SCHEDULING_POLICIES,
+        help="fcfs: first come first served; priority: lower 'priority' value first, then arrival (default fcfs)",
+    )
+    g.add_argument(
+        "--kv-offloading-size",
+        type=float,
+        default=d.kv_offloading_size,
+        metavar="GIB",
+        help="GiB of host memory for a second KV tier under the device's KV cache: evicted prefix blocks and "
+        "swapped-out requests move there instead of being recomputed (pinned memory on CUDA; must fit the RAM "
+        "available; default 0: no host tier)",
+    )
+    g.add_argument(
+        "--kv-offloading-disk-path",
+        default=d.kv_offloading_disk_path,
+        metavar="DIR",
+        help="a directory for a third KV tier under the host tier (needs --kv-offloading-size): blocks the host tier "
+        "drops are written there as files named by block hash, in a subdirectory per model and KV layout, so that a "
+        "restarted server finds its prefix cache warm (default: no disk tier)",
+    )
+    g.add_argument(
+        "--kv-offloading-disk-size",
+        type=float,
+        default=d.kv_offloading_disk_size,
+        metavar="GIB",
+        help="GiB of block files in --kv-offloading-disk-path (must fit the free disk space; the least recently "
+        "used files are deleted beyond it)",
+    )
+    g.add_argument(
+        "--preemption-mode",
+        default=d.preemption_mode,
+        choices=PREEMPTION_MODES,
+        help="when the KV cache runs out, swap: move the preempted request's blocks to the host tier and load them "
+        "back on resume (needs --kv-offloading-size); recompute: free them and compute them again (default: swap "
+        "when a host tier exists, else recompute)",
+    )
+    g.add_argument("--device", default=d.device, help="auto, cpu, cuda or cuda:N")
+    g.add_argument(
+        "--model-impl",
+        default=d.model_impl,
+        choices=MODEL_IMPLS,
+        help="auto: the checkpoint's model; noop: a stand-in of the same shapes whose forward does nothing and "
+        "always predicts one token, to measure the engine's own overhead (meaningless text; default auto)",
+    )
+    g.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="run the model layer by layer in Python: on the CPU instead of the fused decoder (one C call per "
+        "step), on CUDA without the decode steps' CUDA graphs; the outputs are the same, for comparisons and "
+        "debugging",
+    )
+    g.add_argument(
+        "--cpu-isa",
+        default=d.cpu_isa,
+        choices=CPU_ISA_CHOICES,
+        help="CPU: the instruction-set tier the kernels are built for; auto (default) is this CPU's best, a lower "
+        "one runs the same engine as a CPU of that tier would (for tests, benchmarks and mixed fleets)",
+    )
+    g.add_argument(
+        "--cpu-kv-prefetch-bytes",
+        type=int,
+        default=d.cpu_kv_prefetch_bytes,
+        help="CPU fused decoder: bytes of the next layer's decode K/V that a layer's GEMMs prefetch "
+        "(default: half the L3 cache; 0: off)",
+    )
+    g.add_argument(
+        "--cpu-adaptive-threads",
+        action=argparse.BooleanOptionalAction,
+        default=d.cpu_adaptive_threads,
+        help="CPU: run the kernels on fewer threads while other processes take cores (their run-queue wait "
+        "says how many), so that a busy neighbour costs its share of the machine, not most of the throughput "
+        "(default on)",
+    )
+    g.add_argument(
+        "--structured-outputs-config",
+        type=json_object_arg,
+        default=None,
+        metavar="JSON",
+        help='structured outputs (JSON schema, regex, choice, grammar): {"backend": "auto" | "guidance" | '
+        '"xgrammar"}; auto is llguidance (faster to compile and to mask here, see docs/performance.md)',
+    )
+    g.add_argument(
+        "--speculative-config",
+        type=json_object_arg,
+        default=None,
+        metavar="JSON",
+        help='speculative decoding (docs/speculative_decoding.md): {"method": "ngram", "num_speculative_tokens": '
+        'k, "prompt_lookup_max": n, "prompt_lookup_min": m} (vLLM\'s fields)',
+    )
+
+
+def json_object_arg(text: str) -> dict[str, object]:
+    """A flag whose value is a JSON object (vLLM's --*-config flags)."""
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
+
+
+def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
+    names = {f.name for f in fields(EngineArgs)}
+    return EngineArgs(**{k: v for k, v in vars(ns).items() if k in names})
