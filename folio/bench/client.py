@@ -13,13 +13,14 @@ from folio.bench.metrics import RequestResult
 
 
 def completion_payload(model: str, request: SampleRequest) -> dict[str, Any]:
-    """Token-id prompt (byte-identical for every peer), greedy, EOS ignored, usage in the stream."""
+    """Token-id prompt (byte-identical for every peer), greedy, EOS ignored (unless the dataset ends at EOS),
+    usage in the stream."""
     return {
         "model": model,
         "prompt": request.prompt_token_ids,
         "max_tokens": request.output_len,
         "temperature": 0.0,
-        "ignore_eos": True,
+        "ignore_eos": request.ignore_eos,
         "stream": True,
         "stream_options": {"include_usage": True},
     }

@@ -13,6 +13,8 @@ input: no tokenizer round trip can change a prompt's length. A seed fixes the wh
 - ``multi_turn``: chat conversations whose every turn's prompt is the whole history (a shared system prompt, each
   earlier user message and reply) plus a new user message (issue 18's KV-tier workload). A turn needs the previous
   turn's output, so it runs only in `folio bench throughput`, in waves (folio/bench/multi_turn.py).
+- ``copy_edit``: chat prompts asking to repeat or lightly edit a passage or piece of code (folio/bench/copy_edit.py);
+  generation stops at EOS. The workload of n-gram speculation.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-DATASET_NAMES = ("random", "prefix_repetition", "custom", "w1", "multi_turn")
+DATASET_NAMES = ("random", "prefix_repetition", "custom", "w1", "multi_turn", "copy_edit")
 # /work/main/folio/bench/datasets.py -> parents[3] = /work; the workloads live in /work/shared/workloads.
 DEFAULT_W1_PATH = Path(__file__).resolve().parents[3] / "shared" / "workloads" / "w1_prompts.json"
 
@@ -38,6 +40,7 @@ class SampleRequest:
 
     prompt_token_ids: list[int]
     output_len: int
+    ignore_eos: bool = True  # False where the text has a natural end (copy_edit)
 
     @property
     def prompt_len(self) -> int:
@@ -240,6 +243,9 @@ def add_dataset_args(parser: argparse.ArgumentParser, add_seed: bool = True) -> 
     g.add_argument(
         "--custom-output-len", type=int, default=256, help="custom: output length of lines without 'output_len'"
     )
+    g.add_argument(
+        "--copy-edit-output-len", type=int, default=256, help="copy_edit: most tokens per reply (default 256)"
+    )
     g.add_argument("--w1-output-len", type=int, default=128, help="w1: tokens to generate per prompt (default 128)")
     g.add_argument(
         "--multi-turn-num-conversations", type=int, default=32, help="multi_turn: conversations (default 32)"
@@ -257,9 +263,13 @@ def add_dataset_args(parser: argparse.ArgumentParser, add_seed: bool = True) -> 
 
 
 def requests_from_args(
-    ns: argparse.Namespace, vocab_size: int, special_ids: Collection[int] = (), tokenize: Tokenize | None = None
+    ns: argparse.Namespace,
+    vocab_size: int,
+    special_ids: Collection[int] = (),
+    tokenize: Tokenize | None = None,
+    render_chat: Tokenize | None = None,
 ) -> list[SampleRequest]:
-    """The request set the dataset flags describe."""
+    """The request set the dataset flags describe (``render_chat``: one user message -> prompt ids, for copy_edit)."""
     if ns.num_prompts < 1:
         raise ValueError(f"num_prompts must be >= 1, got {ns.num_prompts}")
     if ns.dataset_name == "random":
@@ -289,6 +299,12 @@ def requests_from_args(
             "--dataset-name multi_turn runs only in `folio bench throughput`: a turn is sent after the previous "
             "turn's output exists, which a flat request set cannot express"
         )
+    if ns.dataset_name == "copy_edit":
+        from folio.bench.copy_edit import sample_copy_edit
+
+        if render_chat is None:
+            raise ValueError("--dataset-name copy_edit needs the model's tokenizer and chat template")
+        return sample_copy_edit(ns.num_prompts, ns.copy_edit_output_len, ns.seed, render_chat)
     if ns.dataset_name == "custom":
         if ns.dataset_path is None:
             raise ValueError("--dataset-name custom needs --dataset-path")

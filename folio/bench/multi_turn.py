@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from folio.bench.datasets import MultiTurnWorkload, multi_turn_from_args
+from folio.bench.stepping import run_stepped
 from folio.core.sched_output import ModelRunnerOutput, SchedulerOutput
 
 # The scheduler snapshot's counters a run reports, as differences over the run (getattr: 0 where a core has none).
@@ -103,25 +104,11 @@ def _counters(engine: Any) -> dict[str, int]:
 
 def _run_wave(engine: Any, prompts: list[list[int]], output_len: int) -> tuple[list[list[int]], list[float]]:
     """Every prompt queued at once, stepped to completion: (output ids, TTFT seconds) in the prompts' order."""
-    from folio.engine.output_processor import RequestOutputKind
     from folio.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-    ids = [engine.next_request_id() for _ in prompts]
-    start = time.perf_counter()
-    for request_id, prompt in zip(ids, prompts, strict=True):
-        engine.add_request(request_id, {"prompt_token_ids": prompt}, params, 0, RequestOutputKind.CUMULATIVE)
-    first: dict[str, float] = {}
-    done: dict[str, list[int]] = {}
-    while engine.has_unfinished_requests():
-        outputs = engine.step()
-        now = time.perf_counter()
-        for out in outputs:
-            if out.outputs[0].token_ids and out.request_id not in first:
-                first[out.request_id] = now - start
-            if out.finished:
-                done[out.request_id] = list(out.outputs[0].token_ids)
-    return [done[r] for r in ids], [first[r] for r in ids]
+    run = run_stepped(engine, prompts, [params] * len(prompts))
+    return [r.output_ids for r in run.requests], [r.ttft_s for r in run.requests]
 
 
 def run_multi_turn(llm: Any, workload: MultiTurnWorkload, label: str) -> MultiTurnRun:

@@ -39,8 +39,22 @@ def _generate(llm: Any, requests: list[SampleRequest], use_tqdm: bool) -> list[A
     from folio.sampling_params import SamplingParams
 
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
-    params = [SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True) for r in requests]
+    params = [SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=r.ignore_eos) for r in requests]
     return list(llm.generate(prompts, params, use_tqdm=use_tqdm))
+
+
+def dataset_requests(llm: Any, ns: argparse.Namespace) -> list[SampleRequest]:
+    """The request set of the dataset flags, with this engine's vocabulary, tokenizer and chat template."""
+    from folio.bench.copy_edit import chat_renderer
+
+    tokenizer = llm.get_tokenizer()
+    return requests_from_args(
+        ns,
+        llm.llm_engine.model_spec.vocab_size,
+        _special_ids(llm),
+        lambda text: list(tokenizer.encode(text)),
+        chat_renderer(tokenizer),
+    )
 
 
 def _write_json(path: str | None, result: dict[str, Any]) -> None:
@@ -59,6 +73,19 @@ def add_throughput_args(parser: argparse.ArgumentParser) -> None:
         "other engine flags the same); print both, their ratio, the tokens recomputed after preemption in each, and "
         "whether the greedy outputs were identical (exit 1 if not)",
     )
+    parser.add_argument(
+        "--compare-speculative",
+        action="store_true",
+        help="run the request set twice, without and then with --speculative-config (the other engine flags the "
+        "same); print throughput, mean TTFT and TPOT of both, their ratio, tokens per request step, and whether the "
+        "greedy outputs were identical (exit 1 if not)",
+    )
+    parser.add_argument(
+        "--compare-rounds",
+        type=int,
+        default=3,
+        help="--compare-speculative: alternating rounds per engine; the median round of each is reported (default 3)",
+    )
 
 
 def cmd_bench_throughput(ns: argparse.Namespace) -> int:
@@ -70,11 +97,12 @@ def cmd_bench_throughput(ns: argparse.Namespace) -> int:
         return cmd_multi_turn(ns)
     if ns.compare_offloading:
         raise ValueError("--compare-offloading runs only with --dataset-name multi_turn")
+    if ns.compare_speculative:
+        from folio.bench.spec_compare import cmd_compare_speculative
+
+        return cmd_compare_speculative(ns)
     llm = _make_llm(ns)
-    tokenizer = llm.get_tokenizer()
-    requests = requests_from_args(
-        ns, llm.llm_engine.model_spec.vocab_size, _special_ids(llm), lambda text: list(tokenizer.encode(text))
-    )
+    requests = dataset_requests(llm, ns)
     sampler = KVUsageSampler()
     llm.llm_engine.stats_observer = sampler
     start = time.perf_counter()

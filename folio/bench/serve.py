@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 
 from folio.bench.client import fetch_model_name, send_completion
+from folio.bench.copy_edit import render_chat_for
 from folio.bench.datasets import SampleRequest, add_dataset_args, requests_from_args
 from folio.bench.metrics import RequestResult, arrival_offsets, compute_metrics, parse_goodput
 
@@ -178,7 +179,8 @@ def cmd_bench_serve(ns: argparse.Namespace) -> int:
     check_load_args(ns)
     base_url = ns.base_url.rstrip("/")
     vocab_size, special_ids, tokenize = dataset_vocabulary(ns.dataset_name, ns.tokenizer)
-    requests = requests_from_args(ns, vocab_size, special_ids, tokenize)
+    render_chat = render_chat_for(ns.dataset_name, ns.tokenizer)
+    requests = requests_from_args(ns, vocab_size, special_ids, tokenize, render_chat)
     model = ns.model or asyncio.run(model_name(base_url))
     print(
         f"Benchmarking {model} at {base_url}: {len(requests)} requests, rate {ns.request_rate} req/s, "

@@ -19,6 +19,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from folio.bench.copy_edit import render_chat_for
 from folio.bench.datasets import SampleRequest, add_dataset_args, requests_from_args
 from folio.bench.metrics import RequestResult, compute_metrics
 from folio.bench.serve import add_load_args, benchmark_server, check_load_args, dataset_vocabulary, model_name
@@ -141,7 +142,8 @@ def cmd_bench_sweep(ns: argparse.Namespace) -> int:
     serve_ns = check_serve_args(serve_args)
     model_path = serve_ns.model or serve_ns.model_positional
     vocab_size, special_ids, tokenize = dataset_vocabulary(ns.dataset_name, serve_ns.tokenizer or model_path)
-    requests = requests_from_args(ns, vocab_size, special_ids, tokenize)
+    render_chat = render_chat_for(ns.dataset_name, serve_ns.tokenizer or model_path)
+    requests = requests_from_args(ns, vocab_size, special_ids, tokenize, render_chat)
     slos = per_request_bounds(terms)
     grid = [(s, b) for s in ns.max_num_seqs_grid for b in ns.max_num_batched_tokens_grid]
     print(
