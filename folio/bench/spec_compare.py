@@ -99,8 +99,10 @@ def cmd_compare_speculative(ns: argparse.Namespace) -> int:
     base_runs: list[SteppedRun] = []
     spec_runs: list[SteppedRun] = []
     for _ in range(ns.compare_rounds):
-        base_runs.append(run_stepped(base_llm.llm_engine, prompts, params))
-        spec_runs.append(run_stepped(spec_llm.llm_engine, prompts, params))
+        for llm, runs in ((base_llm, base_runs), (spec_llm, spec_runs)):
+            if not llm.reset_prefix_cache():  # every round prefills its prompts, as the first did
+                raise RuntimeError("the prefix cache could not be reset: a request still holds blocks")
+            runs.append(run_stepped(llm.llm_engine, prompts, params))
     base = _median_run("without speculation", base_runs)
     spec = _median_run(f"with {ns.speculative_config}", spec_runs)
     mean_prompt = statistics.fmean(r.prompt_len for r in requests)

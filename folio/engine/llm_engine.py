@@ -63,6 +63,11 @@ class LLMEngine:
     def kv_cache_manager(self) -> Any:
         return self.engine_core.kv_cache_manager
 
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached prefix in every KV tier (vLLM's name); False, changing nothing, while a request
+        holds blocks."""
+        return bool(self.engine_core.kv_cache_manager.reset_prefix_cache())
+
     def next_request_id(self) -> str:
         return str(next(self._request_counter))
 

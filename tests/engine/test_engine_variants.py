@@ -69,6 +69,12 @@ def test_prefix_caching_on_and_off(make_llm: Callable[..., LLM], tokenizer: Any)
     assert on.llm_engine.kv_cache_manager.prefix_cache_hits > 0
     assert off.llm_engine.kv_cache_manager.prefix_cache_hits == 0
     assert_all_close(runs_off, runs_on)
+    # LLM.reset_prefix_cache (vLLM's name): the next run of a cached prompt hits nothing, then caches it again
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    assert on.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)[0].num_cached_tokens > 0
+    assert on.reset_prefix_cache()
+    assert on.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)[0].num_cached_tokens == 0
+    assert on.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)[0].num_cached_tokens > 0
 
 
 def test_batch_of_one_versus_sixteen(llm: LLM, prompts: list[list[int]], baseline: list[GreedyRun]) -> None:
