@@ -403,6 +403,7 @@ class Scheduler:
             num_preemptions_total=self.num_preemptions_total,
             num_swapped_preemptions_total=self.preemption.num_swapped_preemptions_total,
             num_kv_live_tokens=sum(request.num_computed_tokens for request in self.running),
+            spec_decoding=self.spec_decoding_stats,
         )
 
 
