@@ -20,6 +20,7 @@ from folio.sample.metadata import SamplingMetadata
 from folio.sample.rejection_sampler import greedy_accept
 from folio.sample.sampler import Sampler
 from folio.sample.seeding import position_generator
+from folio.sampling_params import SamplingParams
 from folio.spec_decode.eligibility import can_speculate, verifies_by_argmax
 from folio.spec_decode.ngram_proposer import NgramProposer
 from folio.worker.input_batch import ModelInput
@@ -109,16 +110,29 @@ def _draft_rows_metadata(
 ) -> SamplingMetadata:
     """Sampling metadata for every row of these requests: row j of a request is its output position n + j, with
     output history output + drafts[:j] (penalties, bad words, min_tokens) and, if seeded, the generator of n + j.
-    Example: output [5, 6], drafts [7, 8] -> rows with outputs [5, 6], [5, 6, 7], [5, 6, 7, 8] at positions 2, 3, 4."""
+    Example: output [5, 6], drafts [7, 8] -> rows with outputs [5, 6], [5, 6, 7], [5, 6, 7, 8] at positions 2, 3, 4.
+    A request that reads no history shares its output list over its rows (no copy of a long output per row)."""
     params, prompts, outputs, generators = [], [], [], []
     for state, request_drafts in zip(states, drafts, strict=True):
         num_output = len(state.output_token_ids)
+        reads_history = _reads_output_history(state.sampling_params)
         for j in range(len(request_drafts) + 1):
             params.append(state.sampling_params)
             prompts.append(state.prompt_token_ids)
-            outputs.append(state.output_token_ids + request_drafts[:j])
+            outputs.append(state.output_token_ids + request_drafts[:j] if reads_history else state.output_token_ids)
             generators.append(position_generator(state.sampling_params, num_output + j, device))
     return SamplingMetadata.build(params, prompts, outputs, generators, vocab_size, device)
+
+
+def _reads_output_history(params: SamplingParams) -> bool:
+    """Whether the sampler reads the row's output tokens: penalties, bad words, min_tokens."""
+    return (
+        params.presence_penalty != 0.0
+        or params.frequency_penalty != 0.0
+        or params.repetition_penalty != 1.0
+        or bool(params.bad_words_token_ids)
+        or params.min_tokens > 0
+    )
 
 
 def propose_drafts(
