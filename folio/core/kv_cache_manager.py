@@ -43,6 +43,7 @@ class AllocationResult:
     new_block_ids: list[int] = field(default_factory=list)  # appended to the block list (prefix hits first)
     replaced_block_ids: list[tuple[int, int]] = field(default_factory=list)  # (index, new block id), copy-on-write
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src block id, dst block id), copy-on-write
+    num_kept_block_ids: int | None = None  # set after ``free_blocks_past``: the worker cuts its table to this first
 
 
 class KVCacheManager:
@@ -69,6 +70,7 @@ class KVCacheManager:
         self.prefix_cache_queries = 0  # tokens looked up (request.num_tokens per get_computed_blocks call)
         self.prefix_cache_hits = 0  # of which found in the cache
         self.num_cow_copies = 0  # blocks copied before a write because another request shared them
+        self._num_kept_blocks: dict[str, int] = {}  # request id -> table length after free_blocks_past, until sent
         if num_host_blocks < 0:
             raise ValueError(f"num_host_blocks must be >= 0, got {num_host_blocks}")
         self.host_tier = HostKVTier(num_host_blocks) if num_host_blocks > 0 else None
@@ -192,7 +194,7 @@ class KVCacheManager:
 
         self.block_pool.touch(new_computed_blocks)
         self._pin(loaded)  # before taking device blocks: their eviction stores must not reuse or drop these
-        result = AllocationResult()
+        result = AllocationResult(num_kept_block_ids=self._num_kept_blocks.pop(req_id, None))
         for index in cow_indices:
             old_block = req_blocks[index]
             (new_block,) = self.block_pool.get_new_blocks(1)
@@ -273,8 +275,20 @@ class KVCacheManager:
         if self.host_tier is not None:
             self.host_tier.free_swapped(request.request_id)
 
+    def free_blocks_past(self, request: Request, num_blocks: int) -> int:
+        """Free the request's blocks after its first ``num_blocks`` (never cached: the slots of rejected drafts), last
+        first; returns how many. Its next AllocationResult says to cut the worker's block table to that length."""
+        req_blocks = self.req_to_blocks.get(request.request_id, [])
+        tail = req_blocks[num_blocks:]
+        if tail:
+            del req_blocks[num_blocks:]
+            self.block_pool.free_blocks(reversed(tail))
+            self._num_kept_blocks[request.request_id] = num_blocks
+        return len(tail)
+
     def _free_device_blocks(self, request: Request) -> None:
         self._num_cached_blocks.pop(request.request_id, None)
+        self._num_kept_blocks.pop(request.request_id, None)
         req_blocks = self.req_to_blocks.pop(request.request_id, None)
         if req_blocks:
             self.block_pool.free_blocks(reversed(req_blocks))

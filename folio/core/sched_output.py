@@ -7,10 +7,13 @@ Out of the core to the frontend: ``EngineCoreOutput``. ``Request`` objects never
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from folio.request import FinishReason
 from folio.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from folio.core.kv_cache_manager import AllocationResult
 
 
 @dataclass
@@ -34,10 +37,22 @@ class CachedRequestData:
     # (index in the block table, new block id) for blocks replaced by copy-on-write this step
     replaced_block_ids: list[list[tuple[int, int]]] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)  # before this step's tokens
+    # req_id -> length the block table is cut to before new_block_ids are appended (blocks that held only rejected
+    # drafts' slots were freed: docs/speculative_decoding.md); absent for the others.
+    num_kept_block_ids: dict[str, int] = field(default_factory=dict)
 
     @property
     def num_reqs(self) -> int:
         return len(self.req_ids)
+
+    def add(self, req_id: str, num_computed_tokens: int, allocation: AllocationResult) -> None:
+        """One scheduled request's diff: its allocation's changes to the block table, where its step starts."""
+        self.req_ids.append(req_id)
+        self.new_block_ids.append(allocation.new_block_ids)
+        self.replaced_block_ids.append(allocation.replaced_block_ids)
+        self.num_computed_tokens.append(num_computed_tokens)
+        if allocation.num_kept_block_ids is not None:
+            self.num_kept_block_ids[req_id] = allocation.num_kept_block_ids
 
 
 class DiskStore(NamedTuple):

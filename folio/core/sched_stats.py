@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import copy
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from folio.core.disk_tier import DiskKVTier
 from folio.core.offload import HostKVTier
+from folio.core.spec_decode import SpecDecodingStats
 
 if TYPE_CHECKING:
     from folio.core.kv_cache_manager import KVCacheManager
@@ -39,6 +41,8 @@ class SchedulerStats:
     kv_offload_blocks_from_disk_total: int = 0  # files loaded into device blocks (disk prefix hits)
     kv_offload_disk_usage: float = 0.0  # fraction of the disk tier's blocks holding a block
     kv_offload_disk_failed_loads_total: int = 0  # loads the worker could not do (missing or foreign file)
+    # Speculative decoding: the scheduler's cumulative counts since start (all 0 when nothing was drafted).
+    spec_decoding: SpecDecodingStats = field(default_factory=SpecDecodingStats)
 
     @classmethod
     def snapshot(
@@ -49,8 +53,10 @@ class SchedulerStats:
         num_preemptions_total: int,
         num_swapped_preemptions_total: int,
         num_kv_live_tokens: int,
+        spec_decoding: SpecDecodingStats | None = None,
     ) -> SchedulerStats:
-        """The scheduler's counts, with every KV figure read from the cache manager and its tiers."""
+        """The scheduler's counts, with every KV figure read from the cache manager and its tiers (and a copy of
+        the speculative decoding counts: the scheduler goes on adding to its own)."""
         stats = cls(
             num_running=num_running,
             num_waiting=num_waiting,
@@ -61,6 +67,7 @@ class SchedulerStats:
             num_kv_live_tokens=num_kv_live_tokens,
             num_kv_held_slots=kv.num_used_blocks * kv.block_size,
             num_swapped_preemptions_total=num_swapped_preemptions_total,
+            spec_decoding=copy.deepcopy(spec_decoding) if spec_decoding is not None else SpecDecodingStats(),
         )
         stats.set_tiers(kv.host_tier, kv.disk_tier)
         return stats

@@ -236,10 +236,7 @@ class Scheduler:
             allocation = plan.allocations[req_id]
             block_copies.extend(allocation.block_copies)
             if req_id in self._worker_req_ids:
-                cached_reqs.req_ids.append(req_id)
-                cached_reqs.new_block_ids.append(allocation.new_block_ids)
-                cached_reqs.replaced_block_ids.append(allocation.replaced_block_ids)
-                cached_reqs.num_computed_tokens.append(request.num_computed_tokens)
+                cached_reqs.add(req_id, request.num_computed_tokens, allocation)
             else:
                 # The block list already has the copy-on-write replacements; the copies are in block_copies.
                 new_reqs.append(
@@ -314,7 +311,7 @@ class Scheduler:
                 else None
             )
             num_drafts = len(scheduler_output.scheduled_spec_decode_tokens.get(req_id, ()))
-            roll_back_rejected(request, num_drafts, len(sampled), self.spec_decoding_stats)
+            roll_back_rejected(request, num_drafts, len(sampled), self.spec_decoding_stats, self.kv_cache_manager)
             output = self._update_request(request, sampled, logprobs, model_runner_output.prompt_logprobs.get(req_id))
             if request.status == RequestStatus.RUNNING:
                 keep_drafts(request, model_runner_output.draft_token_ids.get(req_id))
@@ -406,6 +403,7 @@ class Scheduler:
             num_preemptions_total=self.num_preemptions_total,
             num_swapped_preemptions_total=self.preemption.num_swapped_preemptions_total,
             num_kv_live_tokens=sum(request.num_computed_tokens for request in self.running),
+            spec_decoding=self.spec_decoding_stats,
         )
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from folio.core.kv_cache_manager import KVCacheManager, cdiv
 from folio.request import Request
 
 
@@ -42,14 +43,22 @@ def take_scheduled_drafts(request: Request, num_scheduled_tokens: int) -> list[i
     return drafts
 
 
-def roll_back_rejected(request: Request, num_drafts: int, num_sampled: int, stats: SpecDecodingStats) -> None:
+def roll_back_rejected(
+    request: Request, num_drafts: int, num_sampled: int, stats: SpecDecodingStats, kv: KVCacheManager
+) -> None:
     """After verification: ``num_sampled`` = a accepted drafts + 1 token. The K/V of the rejected drafts' positions
     were written but are not this request's tokens: num_computed_tokens no longer counts them (before any block
-    is hashed or cached), and the next step overwrites them."""
+    is hashed or cached), and the next step overwrites them. Blocks that held only rejected positions are freed:
+    the request keeps cdiv(num_computed_tokens + 1, block_size) blocks, up to the slot of its next token.
+
+    Example (block_size 4): 6 computed, token at 6 plus drafts at 7, 8, 9 (blocks 0-2); one draft accepted ->
+    num_computed_tokens 8, the next token goes to position 8 (block 2): nothing freed. With none accepted ->
+    7 computed, the next token at 7 (block 1): block 2 is freed."""
     if num_drafts == 0 or num_sampled == 0:
         return
     request.num_computed_tokens -= num_drafts + 1 - num_sampled
     stats.observe(num_drafts, num_sampled - 1)
+    kv.free_blocks_past(request, cdiv(request.num_computed_tokens + 1, kv.block_size))
 
 
 def keep_drafts(request: Request, draft_token_ids: list[int] | None) -> None:

@@ -6,11 +6,16 @@ accepted prefix of the drafts and then exactly one token of the target's own: a 
 
 - Greedy (``greedy_accept``): keep d_j while it equals the target's arg-max t_j; then emit t_j at the first
   mismatch, or the bonus t_k. The tokens are exactly greedy decoding's.
-- Temperature > 0 (``rejection_sample``, Leviathan et al. 2023): accept d_j with probability
-  min(1, p_j(d_j) / q_j(d_j)); at the first rejection emit a sample of norm(max(0, p_j - q_j)) and stop; after k
-  acceptances emit a sample of p_k. Every emitted token is distributed as the target's p at its position.
-  n-gram drafts have q_j one-hot at d_j (``draft_probs=None``): accept with probability p_j(d_j), otherwise
-  sample p_j without d_j.
+- Temperature > 0 with one-hot drafts (n-gram), as the engine runs it: t_j is the plain sampler's draw from p_j
+  (the exponential race, with the noise of output position n + j), and ``greedy_accept`` keeps d_j while d_j == t_j.
+  This is the lossless rule below for q one-hot, coupled to that draw: P(t_j = d_j) = p_j(d_j), and given
+  t_j != d_j, t_j ~ p_j without d_j, renormalised = norm(max(0, p_j - onehot(d_j))). Each emitted token is the
+  draw plain decoding makes at its position, so a seeded request gives the same tokens with and without drafts.
+- Temperature > 0 in general (``rejection_sample``, Leviathan et al. 2023; needed for a draft model's q): accept
+  d_j with probability min(1, p_j(d_j) / q_j(d_j)); at the first rejection emit a sample of
+  norm(max(0, p_j - q_j)) and stop; after k acceptances emit a sample of p_k. Every emitted token is distributed
+  as the target's p at its position. With q_j one-hot at d_j (``draft_probs=None``): accept with probability
+  p_j(d_j), otherwise sample p_j without d_j (the same law as the coupled form above, other draws).
 
 Written in device-agnostic torch; the random draws come from the caller (``draw_uniforms_and_noise``) so that a
 seeded request's draws at an output position depend on its seed and the position only.

@@ -33,6 +33,7 @@ from folio.server.openapi_spec import install_openapi
 from folio.server.request_body import RequestBodyMiddleware
 from folio.server.routes import register_routes
 from folio.server.serving_base import ServingContext
+from folio.spec_decode.config import SpeculativeConfig
 
 if TYPE_CHECKING:
     from folio.engine.async_llm import AsyncLLM
@@ -170,8 +171,10 @@ async def serve(args: argparse.Namespace, engine_args: EngineArgs) -> int:
     from folio.engine.async_llm import AsyncLLM
 
     model_name = served_model_name(args)
-    prometheus = PrometheusStatLogger(model_name)
-    logging_stats = LoggingStatLogger(host_tier=engine_args.kv_offloading_size > 0)
+    speculative = SpeculativeConfig.from_value(engine_args.speculative_config)
+    num_spec_tokens = speculative.num_speculative_tokens if speculative is not None else None
+    prometheus = PrometheusStatLogger(model_name, num_spec_tokens)
+    logging_stats = LoggingStatLogger(host_tier=engine_args.kv_offloading_size > 0, spec_decode=bool(num_spec_tokens))
     engine = AsyncLLM(engine_args, stat_loggers=[prometheus, logging_stats])
     try:
         app = build_app(engine, args, prometheus, logging_stats)

@@ -13,6 +13,7 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from folio.engine.stats import IterationStats, SchedulerStats
+from folio.server.spec_decode_metrics import SpecDecodeLogPart, SpecDecodePrometheus
 
 logger = logging.getLogger("folio")
 
@@ -47,9 +48,10 @@ OFFLOAD_DIRECTIONS = ("to_cpu", "to_device", "to_disk", "from_disk")  # host tie
 
 
 class PrometheusStatLogger:
-    """Every metric carries the ``model_name`` label, as vLLM's do."""
+    """Every metric carries the ``model_name`` label, as vLLM's do. ``num_speculative_tokens``: speculation is on,
+    and its counters exist (folio/server/spec_decode_metrics.py)."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, num_speculative_tokens: int | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.model_name = model_name
         labels = ["model_name"]
@@ -162,6 +164,9 @@ class PrometheusStatLogger:
             self.hist_queue,
         ):
             metric.labels(model_name)  # every series is exposed (at 0) before the first request
+        self.spec_decode = (
+            SpecDecodePrometheus(reg, model_name, num_speculative_tokens) if num_speculative_tokens else None
+        )
         # The core reports cumulative prefix-cache and preemption counts; counters advance by the difference.
         self._last_prefix_queries = 0
         self._last_prefix_hits = 0
@@ -184,6 +189,8 @@ class PrometheusStatLogger:
         self._advance(self.counter_prefix_hits, scheduler_stats.prefix_cache_hits, "_last_prefix_hits")
         self._advance(self.counter_preemptions, scheduler_stats.num_preemptions_total, "_last_preemptions")
         self._record_offload(scheduler_stats)
+        if self.spec_decode is not None:
+            self.spec_decode.record(scheduler_stats.spec_decoding)
         self.counter_prompt_tokens.labels(name).inc(iteration_stats.num_prompt_tokens)
         self.counter_generation_tokens.labels(name).inc(iteration_stats.num_generation_tokens)
         for ttft in iteration_stats.time_to_first_tokens:
@@ -229,9 +236,10 @@ class PrometheusStatLogger:
 class LoggingStatLogger:
     """vLLM's periodic line: throughput over the interval, queue sizes, KV usage and prefix hit rate."""
 
-    def __init__(self, interval_s: float = 10.0, host_tier: bool = False) -> None:
+    def __init__(self, interval_s: float = 10.0, host_tier: bool = False, spec_decode: bool = False) -> None:
         self.interval_s = interval_s
         self.host_tier = host_tier  # a host KV tier exists: the line adds its usage and hit rate
+        self.spec_decode = SpecDecodeLogPart() if spec_decode else None  # adds the acceptance over the interval
         self._last_log_time = time.monotonic()
         self._num_prompt_tokens = 0
         self._num_generation_tokens = 0
@@ -267,7 +275,7 @@ class LoggingStatLogger:
         hit_rate = hits / queries if queries > 0 else 0.0
         logger.info(
             "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, Running: %d reqs, "
-            "Waiting: %d reqs, GPU KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%%s",
+            "Waiting: %d reqs, GPU KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%%s%s",
             self._num_prompt_tokens / elapsed,
             self._num_generation_tokens / elapsed,
             running,
@@ -275,6 +283,7 @@ class LoggingStatLogger:
             usage * 100,
             hit_rate * 100,
             self._host_tier_part(stats),
+            self.spec_decode.text(stats.spec_decoding if stats else None) if self.spec_decode else "",
         )
         if stats is not None:
             self._prefix_queries, self._prefix_hits = stats.prefix_cache_queries, stats.prefix_cache_hits

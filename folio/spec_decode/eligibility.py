@@ -1,8 +1,9 @@
-"""Which requests get drafts: those whose verification is the plain rule (docs/speculative_decoding.md).
+"""Which requests get drafts, and which of them are verified by the fused arg-max (docs/speculative_decoding.md).
 
-First cut: greedy requests whose logits nothing changes (no penalties, bias, masks, bad words, min_tokens), that
-want no logprobs and no grammar. Their verification is the arg-max of the raw logits at every draft position.
-The others decode one token per step, unchanged, in the same batch.
+Every request may speculate except a grammar-constrained one (its drafts would have to go through its matcher).
+Verification runs the sampler's whole pipeline on every draft row (penalties, bias, masks, temperature, top-k/p,
+logprobs), with each row's output history extended by the drafts before it. Plain greedy requests (nothing changes
+their logits, no logprobs) skip it: the arg-max of the raw logits at every row, without materialising them.
 """
 
 from __future__ import annotations
@@ -11,10 +12,14 @@ from folio.sampling_params import SamplingParams
 
 
 def can_speculate(params: SamplingParams) -> bool:
+    return params.structured_outputs is None
+
+
+def verifies_by_argmax(params: SamplingParams) -> bool:
+    """Greedy, no logprobs and nothing that changes the logits: the target's token is the raw logits' arg-max."""
     return (
         params.is_greedy
         and params.logprobs is None
-        and params.structured_outputs is None
         and params.presence_penalty == 0.0
         and params.frequency_penalty == 0.0
         and params.repetition_penalty == 1.0

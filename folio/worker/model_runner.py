@@ -16,6 +16,7 @@ from folio.model.noop import NoopCausalLM
 from folio.sample.logprobs import compute_prompt_logprobs
 from folio.sample.metadata import SamplingMetadata
 from folio.sample.sampler import Sampler
+from folio.sample.seeding import position_generator
 from folio.spec_decode.ngram_proposer import NgramProposer
 from folio.step_timer import FORWARD, PREPARE_INPUTS, SAMPLE, StepTimer
 from folio.structured.bitmask import bitmask_for_rows, constrained_greedy
@@ -24,18 +25,7 @@ from folio.worker.input_batch import ModelInput, prepare_model_input
 from folio.worker.kv_disk import DiskKVTransfer
 from folio.worker.kv_offload import KVTransfer, copy_blocks
 from folio.worker.request_state import CachedRequestState, RequestStates
-from folio.worker.spec_decode import propose_drafts, verify_greedy
-
-_SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (seed, step) pairs over the 64-bit space
-
-
-def step_seed(seed: int, num_output_tokens: int) -> int:
-    """Seed for a seeded request's draw at one output position.
-
-    Stateless per position, so a request gives the same tokens alone, inside any batch, and after a
-    preemption that recomputes it (a stateful generator would be lost or replayed when the worker drops it).
-    """
-    return (seed * _SEED_MIX + num_output_tokens) % (2**63)
+from folio.worker.spec_decode import propose_drafts, verify_drafts
 
 
 class ModelRunner:
@@ -132,8 +122,17 @@ class ModelRunner:
             sampled = self._sample(logits[:num_sampled], metadata, states)
         prompt_logprobs = {} if logits is None else self._prompt_logprobs(logits[num_sampled:], model_input)
         if spec_rows is not None:
-            verified = verify_greedy(spec_rows, model_input, self.requests, self._greedy_token_ids)
-            sampled.update({req_id: (tokens, None) for req_id, tokens in verified.items()})
+            sampled.update(
+                verify_drafts(
+                    spec_rows,
+                    model_input,
+                    self.requests,
+                    self._greedy_token_ids,
+                    self.model.compute_logits,
+                    self.sampler,
+                    self.vocab_size,
+                )
+            )
         drafts = {}
         if self.proposer is not None:
             drafts = propose_drafts(self.proposer, sampled, self.requests, sched.structured_output_request_ids)
@@ -224,12 +223,7 @@ class ModelRunner:
         return result
 
     def _generator(self, state: CachedRequestState) -> torch.Generator | None:
-        seed = state.sampling_params.seed
-        if seed is None or state.sampling_params.is_greedy:
-            return None
-        generator = torch.Generator(device=self.device)
-        generator.manual_seed(step_seed(seed, len(state.output_token_ids)))
-        return generator
+        return position_generator(state.sampling_params, len(state.output_token_ids), self.device)
 
     def _prompt_logprobs(self, logits: torch.Tensor, model_input: ModelInput) -> dict[str, LogprobsLists]:
         result: dict[str, LogprobsLists] = {}

@@ -65,6 +65,8 @@ class RequestStates:
     def apply_diffs(self, cached: CachedRequestData) -> None:
         for i, req_id in enumerate(cached.req_ids):
             state = self.states[req_id]
+            if req_id in cached.num_kept_block_ids:
+                del state.block_ids[cached.num_kept_block_ids[req_id] :]
             for index, block_id in cached.replaced_block_ids[i]:
                 state.block_ids[index] = block_id
             state.block_ids.extend(cached.new_block_ids[i])

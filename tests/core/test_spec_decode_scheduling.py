@@ -86,3 +86,43 @@ def test_token_budget_cuts_drafts() -> None:
     assert request.spec_token_ids == []  # used once: the next step proposes afresh
     update(scheduler, so, [21, 22, 25], [])
     assert request.num_computed_tokens == 6 and request.num_tokens == 7
+
+
+def test_blocks_holding_only_rejected_drafts_are_freed_and_the_worker_told() -> None:
+    """5 blocks. a: 6 prompt tokens (blocks 0, 1), then token 20 at position 6 and drafts at 7..12 (blocks 2, 3).
+    All drafts rejected: num_computed_tokens 7, a's next token goes to position 7 (block 1), so blocks 2 and 3 are
+    free again, and b (8 tokens, 2 blocks) fits beside a in the next step, which it would not with them held."""
+    scheduler = make_scheduler(num_blocks=5)
+    manager = scheduler.kv_cache_manager
+    a = make_request("a", [10, 11, 12, 13, 14, 15], max_tokens=20)
+    scheduler.add_request(a)
+    so = scheduler.schedule()
+    update(scheduler, so, [20], [21, 22, 23, 24, 25, 26])
+    so = scheduler.schedule()
+    assert so.scheduled_cached_reqs.new_block_ids == [[2, 3]] and so.scheduled_cached_reqs.num_kept_block_ids == {}
+    assert manager.get_num_free_blocks() == 1
+
+    update(scheduler, so, [30], [31])  # the first draft rejected: a + 1 = 1 token
+    assert (a.num_computed_tokens, a.output_token_ids) == (7, [20, 30])
+    assert manager.get_block_ids("a") == [0, 1]
+    assert manager.get_num_free_blocks() == 3
+    assert [block.block_hash is not None for block in manager.block_pool.blocks[:4]] == [True, False, False, False]
+
+    scheduler.add_request(make_request("b", [50, 51, 52, 53, 54, 55, 56, 57]))
+    so = scheduler.schedule()  # a: token 30 at 7 and draft 31 at 8 -> one block; b: its 2 blocks
+    assert so.num_scheduled_tokens == {"a": 2, "b": 8}
+    cached = so.scheduled_cached_reqs
+    # The worker cuts a's table to 2 blocks, then appends: its table follows the manager's (the free queue's head
+    # holds the never-used block 4, then the freed 3 and 2, last one first).
+    assert (cached.req_ids, cached.num_kept_block_ids, cached.new_block_ids) == (["a"], {"a": 2}, [[4]])
+    assert manager.get_block_ids("a") == [0, 1, 4]
+    assert manager.get_block_ids("b") == [3, 2]
+    assert manager.get_num_free_blocks() == 0
+
+    output = ModelRunnerOutput(["a", "b"], [[31, 32], [60]], [None, None])  # a: draft accepted + bonus
+    scheduler.update_from_output(so, output)
+    assert a.num_computed_tokens == 9 and manager.get_block_ids("a") == [0, 1, 4]  # position 9 is in block 2
+    so = scheduler.schedule()
+    assert so.scheduled_cached_reqs.num_kept_block_ids == {}  # sent once
+    scheduler.abort_requests(["a", "b"])
+    manager.assert_no_leaks()

@@ -38,7 +38,7 @@ def _generate(llm: LLM, prompts: list[str], params: list[SamplingParams]) -> lis
 def prompts_and_params() -> tuple[list[str], list[SamplingParams]]:
     prompts = COPY_PROMPTS + PLAIN_PROMPTS[:5]
     params = [GREEDY] * len(prompts)
-    # Requests that never speculate share the batch: logprobs, a penalty, and a seeded sampled one.
+    # Requests verified through the sampler's pipeline share the batch: logprobs, a penalty, a seeded sampled one.
     prompts += [COPY_PROMPTS[0], COPY_PROMPTS[1], COPY_PROMPTS[3]]
     params += [
         SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=2),

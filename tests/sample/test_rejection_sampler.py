@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from folio.sample.rejection_sampler import draw_uniforms_and_noise, greedy_accept, rejection_sample
+from folio.sample.sampler import exponential_race
 
 CPU = torch.device("cpu")
 P0 = [0.05, 0.10, 0.15, 0.20, 0.20, 0.30]  # the target at the first position
@@ -66,6 +67,27 @@ def test_ngram_drafts_leave_the_target_distribution_unchanged(draft: int) -> Non
     rate = P0[draft]
     sigma = (rate * (1 - rate) / num) ** 0.5
     assert abs(sum(tokens[0] == draft and len(tokens) > 1 for tokens in out) / num - rate) < 5 * sigma
+
+
+@pytest.mark.parametrize("draft", [5, 0])
+def test_sampled_targets_with_matching_prefix_leave_the_target_distribution_unchanged(draft: int) -> None:
+    """The engine's form for one-hot drafts: every row sampled as plain decoding samples it (the exponential race),
+    then greedy_accept. First token ~ P0, the second ~ P1 where the first draft was accepted, acceptance ~ P0[d]."""
+    torch.manual_seed(6)
+    num = 40_000
+    probs, drafts = _batch(num, [draft, 4], [P0, P1, P2])
+    targets = exponential_race(probs, {}).view(num, 3).tolist()
+    out = greedy_accept(drafts, targets)
+    assert chi_square([tokens[0] for tokens in out], P0) < CHI2_CRIT_DF5
+    second = [tokens[1] for tokens in out if tokens[0] == draft]
+    assert len(second) > 1000
+    assert chi_square(second, P1) < CHI2_CRIT_DF5
+    rate = P0[draft]
+    sigma = (rate * (1 - rate) / num) ** 0.5
+    assert abs(sum(tokens[0] == draft and len(tokens) > 1 for tokens in out) / num - rate) < 5 * sigma
+    # The statistic has power: taking the arg-max of p (greedy) at every row is far from P0.
+    greedy = greedy_accept(drafts, probs.argmax(dim=-1).view(num, 3).tolist())
+    assert chi_square([tokens[0] for tokens in greedy], P0) > 10 * CHI2_CRIT_DF5
 
 
 def test_draft_model_drafts_leave_the_target_distribution_unchanged() -> None:

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import torch
 
+from folio.core.sched_output import CachedRequestData
 from folio.sampling_params import SamplingParams
 from folio.worker.input_batch import prepare_model_input
-from folio.worker.request_state import CachedRequestState
+from folio.worker.request_state import CachedRequestState, RequestStates
 
 
 def state(req_id: str, prompt: list[int], output: list[int], blocks: list[int], computed: int) -> CachedRequestState:
@@ -34,3 +35,13 @@ def test_no_drafts_changes_nothing() -> None:
     model_input = prepare_model_input([a], [1], 4, torch.device("cpu"), {})
     assert (model_input.input_ids.tolist(), model_input.logits_indices.tolist()) == ([4], [0])
     assert (model_input.sample_req_ids, model_input.spec_req_ids) == (["a"], [])
+
+
+def test_block_table_cut_before_new_blocks_are_appended() -> None:
+    """After blocks of rejected drafts were freed, the scheduler's diff cuts the worker's table first."""
+    states = RequestStates()
+    states.states["a"] = state("a", [1, 2, 3], [4], [5, 6, 7, 8], 3)
+    states.states["b"] = state("b", [9], [10], [2, 3], 1)
+    diff = CachedRequestData(["a", "b"], [[9], [11]], [[], []], [7, 2], num_kept_block_ids={"a": 2})
+    states.apply_diffs(diff)
+    assert (states["a"].block_ids, states["b"].block_ids) == ([5, 6, 9], [2, 3, 11])
