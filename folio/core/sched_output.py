@@ -95,7 +95,8 @@ class SchedulerOutput:
     kv_loads: list[tuple[int, int]] = field(default_factory=list)  # (host block id, device block id): to device
     kv_disk: KVDiskPlans = field(default_factory=KVDiskPlans)  # the disk tier's plans (empty without one)
     # Structured outputs (folio/structured/manager.py): row i of grammar_bitmask (numpy int32 [rows, ceil(V / 32)],
-    # bit set = token allowed) constrains what structured_output_request_ids[i] samples this step.
+    # bit set = token allowed) constrains what structured_output_request_ids[i] samples this step. A request with
+    # d scheduled drafts has d + 1 consecutive rows (its id d + 1 times): row j is the mask after drafts[:j].
     structured_output_request_ids: list[str] = field(default_factory=list)
     grammar_bitmask: Any = None
     # Speculative decoding: req_id -> the draft tokens scheduled after its last token (counted in

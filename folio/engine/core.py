@@ -88,6 +88,7 @@ class EngineCore:
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         if structured.matchers:
             self._abort_grammar_violations(outputs, structured.accept(outputs))
+            structured.validate_drafts(self.scheduler.requests)  # only drafts the grammar accepts are scheduled
         if timer is not None:
             timer.lap(UPDATE_FROM_OUTPUT)
         return failed + outputs

@@ -1,6 +1,8 @@
 """Which requests get drafts, and which of them are verified by the fused arg-max (docs/speculative_decoding.md).
 
-Every request may speculate except a grammar-constrained one (its drafts would have to go through its matcher).
+Every request may speculate, grammar-constrained ones too: the engine core cuts their drafts at the first token the
+grammar refuses before scheduling them, and masks each verified row by the grammar after the drafts before it
+(folio/structured/manager.py).
 Verification runs the sampler's whole pipeline on every draft row (penalties, bias, masks, temperature, top-k/p,
 logprobs), with each row's output history extended by the drafts before it. Plain greedy requests (nothing changes
 their logits, no logprobs) skip it: the arg-max of the raw logits at every row, without materialising them.
@@ -12,7 +14,8 @@ from folio.sampling_params import SamplingParams
 
 
 def can_speculate(params: SamplingParams) -> bool:
-    return params.structured_outputs is None
+    """Every request, for now (the hook where a method-specific restriction would go)."""
+    return True
 
 
 def verifies_by_argmax(params: SamplingParams) -> bool:

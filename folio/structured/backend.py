@@ -42,6 +42,10 @@ class Matcher(Protocol):
     def rollback(self, num_tokens: int) -> None:
         """Undo the last ``num_tokens`` accepted tokens."""
 
+    def validate_tokens(self, token_ids: list[int]) -> int:
+        """How many leading tokens of ``token_ids`` the grammar accepts from here; the matcher ends where it
+        started (speculative decoding checks drafts with it before they are scheduled)."""
+
     def is_terminated(self) -> bool:
         """Nothing but a stop token may follow (llguidance: from when the grammar is complete; xgrammar: once
         the stop token is accepted)."""
@@ -60,10 +64,38 @@ class StructuredOutputBackend(Protocol):
     def fill_bitmask(self, rows: list[tuple[Matcher, int]], bitmask: np.ndarray) -> None:
         """For each (matcher, row), write the tokens the matcher allows next into ``bitmask[row]``; one call."""
 
+    def fill_bitmask_with_drafts(self, rows: list[tuple[Matcher, int, list[int]]], bitmask: np.ndarray) -> None:
+        """For each (matcher, row, drafts) with d drafts the grammar accepts: ``bitmask[row + j]`` for j = 0..d
+        is the mask after drafts[:j] (the rows speculative decoding verifies); every matcher ends where it
+        started. One call."""
+
 
 def allocate_bitmask(num_rows: int, vocab_size: int) -> np.ndarray:
     """[num_rows, ceil(V / 32)] int32, every token allowed (-1 = all 32 bits set)."""
     return np.full((num_rows, (vocab_size + 31) // 32), -1, dtype=np.int32)
+
+
+def fill_bitmask_by_rounds(
+    backend: StructuredOutputBackend, rows: list[tuple[Matcher, int, list[int]]], bitmask: np.ndarray
+) -> None:
+    """fill_bitmask_with_drafts from fill_bitmask: round j fills row + j of every matcher with >= j drafts in one
+    batched call, then advances those by drafts[j]; at the end each matcher is rolled back by its advances.
+    Example: drafts [a, b] and [c] -> rounds fill (m1, r1), (m2, r2); (m1, r1 + 1), (m2, r2 + 1); (m1, r1 + 2)."""
+    advanced = [0] * len(rows)
+    try:
+        for j in range(1 + max((len(drafts) for _, _, drafts in rows), default=0)):
+            active = [i for i, (_, _, drafts) in enumerate(rows) if j <= len(drafts)]
+            backend.fill_bitmask([(rows[i][0], rows[i][1] + j) for i in active], bitmask)
+            for i in active:
+                matcher, _, drafts = rows[i]
+                if j < len(drafts):
+                    if not matcher.accept_tokens([drafts[j]]):
+                        raise AssertionError(f"a draft the grammar refuses was scheduled: {drafts}")
+                    advanced[i] += 1
+    finally:
+        for (matcher, _, _), count in zip(rows, advanced, strict=True):
+            if count:
+                matcher.rollback(count)
 
 
 def resolve_backend_name(name: str) -> str:

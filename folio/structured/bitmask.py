@@ -70,19 +70,35 @@ def constrained_greedy(
 
 
 def bitmask_for_rows(
-    sample_req_ids: list[str], bitmask_req_ids: list[str], bitmask: np.ndarray | None, device: torch.device
+    sample_req_ids: list[str],
+    bitmask_req_ids: list[str],
+    bitmask: np.ndarray | None,
+    device: torch.device,
+    rows_per_request: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Select the rows of this step's grammar bitmask (row i belongs to ``bitmask_req_ids[i]``) that the sampler
     needs: (rows [C] int64 into the sampling rows, bitmask [C, W] int32), in sampling-row order; None if none.
+    ``rows_per_request``: request m has that many consecutive sampling rows (speculative decoding: its drafts + 1),
+    matched to as many consecutive bitmask rows from the first of its id (default: one row each).
 
     Example: sample_req_ids [a, b, c], bitmask_req_ids [c, a] -> rows [0, 2], bitmask rows [1, 0].
+    With rows_per_request [2, 1, 1] and bitmask_req_ids [c, a, a] -> rows [0, 1, 3], bitmask rows [1, 2, 0].
     """
     if bitmask is None or not bitmask_req_ids:
         return None
-    row_of = {req_id: row for row, req_id in enumerate(bitmask_req_ids)}
-    pairs = [(i, row_of[r]) for i, r in enumerate(sample_req_ids) if r in row_of]
-    if not pairs:
+    first_row: dict[str, int] = {}
+    for row, req_id in enumerate(bitmask_req_ids):
+        first_row.setdefault(req_id, row)
+    counts = rows_per_request if rows_per_request is not None else [1] * len(sample_req_ids)
+    rows: list[int] = []
+    bitmask_rows: list[int] = []
+    start = 0
+    for req_id, count in zip(sample_req_ids, counts, strict=True):
+        if req_id in first_row:
+            rows.extend(range(start, start + count))
+            bitmask_rows.extend(range(first_row[req_id], first_row[req_id] + count))
+        start += count
+    if not rows:
         return None
-    rows = torch.tensor([p[0] for p in pairs], dtype=torch.int64)
-    selected = torch.from_numpy(np.ascontiguousarray(bitmask[[p[1] for p in pairs]]))
-    return rows.to(device), selected.to(device)
+    selected = torch.from_numpy(np.ascontiguousarray(bitmask[bitmask_rows]))
+    return torch.tensor(rows, dtype=torch.int64).to(device), selected.to(device)

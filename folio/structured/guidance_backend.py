@@ -64,6 +64,9 @@ class GuidanceMatcher:
     def rollback(self, num_tokens: int) -> None:
         self.matcher.rollback(num_tokens)
 
+    def validate_tokens(self, token_ids: list[int]) -> int:
+        return int(self.matcher.validate_tokens(token_ids))  # llguidance's own check: the state does not move
+
     def is_terminated(self) -> bool:
         return bool(self.matcher.is_stopped())
 
@@ -93,3 +96,14 @@ class GuidanceBackend:
         assert bitmask.dtype == np.int32 and bitmask.flags["C_CONTIGUOUS"]
         pairs = [(m.matcher, row) for m, row in rows]
         self.executor.unsafe_compute_mask_ptr(pairs, bitmask.ctypes.data, bitmask.shape[1] * 4, bitmask.shape[0])
+
+    def fill_bitmask_with_drafts(self, rows: list[tuple[Any, int, list[int]]], bitmask: np.ndarray) -> None:
+        """llguidance's own batched call for the matchers with drafts (it advances each through its drafts, masks
+        every row, rolls back; it refuses an empty draft list), the plain one for the others."""
+        assert bitmask.dtype == np.int32 and bitmask.flags["C_CONTIGUOUS"]
+        triples = [(m.matcher, row, list(drafts)) for m, row, drafts in rows if drafts]
+        self.executor.unsafe_compute_mask_ptr_with_draft_token(
+            triples, bitmask.ctypes.data, bitmask.shape[1] * 4, bitmask.shape[0]
+        )
+        if len(triples) < len(rows):
+            self.fill_bitmask([(m, row) for m, row, drafts in rows if not drafts], bitmask)

@@ -8,8 +8,12 @@ A constrained request's life here:
      waits on a compile while other requests run (with nothing else to run it waits at most _WAIT_S per step).
   3. ``fill_bitmask`` (after ``schedule()``): one backend call fills the bitmask rows of every constrained request
      that samples this step (its chunk reaches its last token: a chunked prefill's earlier chunks get no row).
-  4. ``accept`` (after ``update_from_output``): each matcher advances over its request's new tokens.
-  5. ``remove``: the request finished or was aborted.
+  4. ``accept`` (after ``update_from_output``): each matcher advances over its request's new tokens (with
+     speculative decoding: the accepted drafts and the bonus token; a draft the target rejected never reaches it).
+  5. ``validate_drafts`` (after ``accept``): the drafts the worker proposed for the next step (Request.spec_token_ids)
+     are cut at the first token the grammar refuses, so only drafts the grammar accepts are scheduled; with d
+     drafts scheduled, ``fill_bitmask`` gives the request d + 1 rows (row j: the mask after drafts[:j]).
+  6. ``remove``: the request finished or was aborted.
 Preemption needs nothing here: a preempted request keeps its output tokens (recompute computes them again as
 input, swap keeps their K/V) and samples next after the last of them, which is where its matcher stands.
 """
@@ -43,12 +47,14 @@ class StructuredOutputManager:
         self.backend_name = backend_name
         self.vocab_size = vocab_size
         self.stop_token_ids = list(stop_token_ids)
+        self._stop_ids = frozenset(stop_token_ids)
         self._load_tokenizer = load_tokenizer  # called once, on the compile thread, at the first constrained request
         self._backend: StructuredOutputBackend | None = None  # set on the compile thread before any compile ends
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="folio-grammar")
         self._compiled: OrderedDict[GrammarSpec, Future[Any]] = OrderedDict()
         self._waiting: list[tuple[Request, Future[Any]]] = []  # in arrival order
         self.matchers: dict[str, Matcher] = {}
+        self.num_draft_tokens_refused = 0  # drafts cut by validate_drafts (speculative decoding), ever
 
     # ---------------------------------------------------------------- compile
 
@@ -117,22 +123,46 @@ class StructuredOutputManager:
     # ---------------------------------------------------------------- per step
 
     def fill_bitmask(self, requests: Mapping[str, Request], scheduler_output: SchedulerOutput) -> None:
-        """Set scheduler_output's grammar bitmask: one row per constrained request that samples this step, in
-        scheduling order. Call after schedule() (num_computed_tokens already counts this step's tokens)."""
+        """Set scheduler_output's grammar bitmask: rows for each constrained request that samples this step, in
+        scheduling order: one, or d + 1 consecutive ones for a request with d scheduled drafts (row j: the mask
+        after drafts[:j]; its id repeats d + 1 times in structured_output_request_ids). One backend call. Call
+        after schedule() (num_computed_tokens already counts this step's tokens)."""
         if not self.matchers:
             return
         req_ids: list[str] = []
+        rows: list[tuple[Matcher, int, list[int]]] = []  # (matcher, first row, scheduled drafts)
         for req_id in scheduler_output.num_scheduled_tokens:
             request = requests.get(req_id)
             if req_id in self.matchers and request is not None and request.num_computed_tokens >= request.num_tokens:
-                req_ids.append(req_id)
+                drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id, [])
+                rows.append((self.matchers[req_id], len(req_ids), drafts))
+                req_ids.extend([req_id] * (len(drafts) + 1))
         if not req_ids:
             return
         assert self._backend is not None
         bitmask = allocate_bitmask(len(req_ids), self.vocab_size)
-        self._backend.fill_bitmask([(self.matchers[r], row) for row, r in enumerate(req_ids)], bitmask)
+        if len(req_ids) > len(rows):  # some request has drafts
+            self._backend.fill_bitmask_with_drafts(rows, bitmask)
+        else:
+            self._backend.fill_bitmask([(matcher, row) for matcher, row, _ in rows], bitmask)
         scheduler_output.structured_output_request_ids = req_ids
         scheduler_output.grammar_bitmask = bitmask
+
+    def validate_drafts(self, requests: Mapping[str, Request]) -> None:
+        """Cut each constrained request's drafts (``spec_token_ids``, just stored by update_from_output) before the
+        first token its grammar refuses, and before the first stop token (a stop token ends the request or, with
+        ignore_eos, can only be followed by more of them: nothing to gain). Call after ``accept``: each matcher
+        stands after its request's last token. The matchers end where they started."""
+        for req_id, matcher in self.matchers.items():
+            request = requests.get(req_id)
+            if request is None or not request.spec_token_ids:
+                continue
+            drafts = request.spec_token_ids
+            end = next((i for i, token_id in enumerate(drafts) if token_id in self._stop_ids), len(drafts))
+            num_valid = matcher.validate_tokens(drafts[:end]) if end else 0
+            if num_valid < len(drafts):
+                request.spec_token_ids = drafts[:num_valid]
+                self.num_draft_tokens_refused += len(drafts) - num_valid
 
     def accept(self, outputs: list[EngineCoreOutput]) -> list[str]:
         """Advance each constrained request's matcher over its new tokens; forget finished ones. Returns the ids

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import xgrammar
 
-from folio.structured.backend import GrammarError
+from folio.structured.backend import GrammarError, fill_bitmask_by_rounds
 from folio.structured.params import GrammarSpec
 
 _MAX_JSON_WHITESPACE = 4  # as the guidance backend: a model cannot pad JSON with whitespace forever
@@ -93,6 +93,17 @@ class XgrammarMatcher:
     def rollback(self, num_tokens: int) -> None:
         self.matcher.rollback(num_tokens)
 
+    def validate_tokens(self, token_ids: list[int]) -> int:
+        """Advance while accepted (a refused token leaves xgrammar's state as it was), then roll back."""
+        count = 0
+        for token_id in token_ids:
+            if not self.matcher.accept_token(token_id):
+                break
+            count += 1
+        if count:
+            self.matcher.rollback(count)
+        return count
+
     def is_terminated(self) -> bool:
         return bool(self.matcher.is_terminated())
 
@@ -117,3 +128,6 @@ class XgrammarBackend:
     def fill_bitmask(self, rows: list[tuple[Any, int]], bitmask: np.ndarray) -> None:
         matchers = [m.matcher for m, _ in rows]
         self.batch.batch_fill_next_token_bitmask(matchers, bitmask, [row for _, row in rows])
+
+    def fill_bitmask_with_drafts(self, rows: list[tuple[Any, int, list[int]]], bitmask: np.ndarray) -> None:
+        fill_bitmask_by_rounds(self, rows, bitmask)  # one batched fill per draft position (no batched draft call)

@@ -131,11 +131,13 @@ class ModelRunner:
                     self.model.compute_logits,
                     self.sampler,
                     self.vocab_size,
+                    sched.structured_output_request_ids,
+                    sched.grammar_bitmask,
                 )
             )
         drafts = {}
         if self.proposer is not None:
-            drafts = propose_drafts(self.proposer, sampled, self.requests, sched.structured_output_request_ids)
+            drafts = propose_drafts(self.proposer, sampled, self.requests)
         output = ModelRunnerOutput(
             req_ids=req_ids,
             sampled_token_ids=[sampled.get(r, ([], None))[0] for r in req_ids],

@@ -7,12 +7,14 @@ logits). The others go through the sampler's pipeline row by row: penalties and 
 row as output history, and a seeded request draws row j from ``position_generator(..., n + j)`` as plain decoding
 draws output position n + j. For temperature > 0 this is the lossless rule with q one-hot at the draft (n-gram):
 t_j ~ p_j, so d_j is accepted with probability p_j(d_j), and after a rejection t_j ~ p_j without d_j, renormalised.
+A grammar-constrained request's row j is masked by its grammar after drafts[:j] (the engine core's bitmask rows).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
+import numpy as np
 import torch
 
 from folio.core.sched_output import LogprobsLists
@@ -23,6 +25,7 @@ from folio.sample.seeding import position_generator
 from folio.sampling_params import SamplingParams
 from folio.spec_decode.eligibility import can_speculate, verifies_by_argmax
 from folio.spec_decode.ngram_proposer import NgramProposer
+from folio.structured.bitmask import bitmask_for_rows, constrained_greedy
 from folio.worker.input_batch import ModelInput
 from folio.worker.request_state import CachedRequestState, RequestStates
 
@@ -37,9 +40,14 @@ def verify_drafts(
     compute_logits: Callable[[torch.Tensor], torch.Tensor],
     sampler: Sampler,
     vocab_size: int,
+    grammar_req_ids: list[str] | None = None,
+    grammar_bitmask: np.ndarray | None = None,
 ) -> TokensAndLogprobs:
     """spec_rows [sum(k_i + 1), hidden] in ``model_input.spec_req_ids`` order -> req_id -> (accepted drafts + one
-    token, their logprobs or None); each request's copy gets the tokens appended."""
+    token, their logprobs or None); each request's copy gets the tokens appended. ``grammar_req_ids`` /
+    ``grammar_bitmask``: the step's structured-output rows (a constrained request's k + 1 rows in a row, row j
+    the mask after drafts[:j]), applied to row j of that request: by constrained_greedy on the fused arg-max
+    (logits only for rows whose arg-max the grammar bans), or as the sampler's first stage."""
     states = [requests[req_id] for req_id in model_input.spec_req_ids]
     drafts = model_input.spec_draft_token_ids
     starts = [0]  # request i's rows are [starts[i], starts[i + 1])
@@ -48,14 +56,24 @@ def verify_drafts(
     by_argmax = [i for i, state in enumerate(states) if verifies_by_argmax(state.sampling_params)]
     by_sampler = [i for i, state in enumerate(states) if not verifies_by_argmax(state.sampling_params)]
     targets: list[list[int]] = [[] for _ in states]  # the target's own token at each of a request's rows
+
+    def grammar_rows(chosen: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        ids, counts = [states[i].req_id for i in chosen], [len(drafts[i]) + 1 for i in chosen]
+        return bitmask_for_rows(ids, grammar_req_ids or [], grammar_bitmask, spec_rows.device, counts)
+
     row_logprobs: dict[int, LogprobsLists] = {}  # request index -> logprobs at its k + 1 rows
     if by_argmax:
-        token_ids = greedy_token_ids(_select_rows(spec_rows, starts, by_argmax)).tolist()
-        _split(token_ids, [len(drafts[i]) + 1 for i in by_argmax], by_argmax, targets)
+        rows = _select_rows(spec_rows, starts, by_argmax)
+        token_ids = greedy_token_ids(rows)
+        mask = grammar_rows(by_argmax)
+        if mask is not None:  # exact per row: the arg-max where the grammar allows it, else masked logits' arg-max
+            token_ids = constrained_greedy(token_ids, mask, lambda r: compute_logits(rows.index_select(0, r)))
+        _split(token_ids.tolist(), [len(drafts[i]) + 1 for i in by_argmax], by_argmax, targets)
     if by_sampler:
         logits = compute_logits(_select_rows(spec_rows, starts, by_sampler))  # [rows of these requests, V]
         chosen = [states[i] for i in by_sampler]
         metadata = _draft_rows_metadata(chosen, [drafts[i] for i in by_sampler], vocab_size, logits.device)
+        metadata.grammar_bitmask = grammar_rows(by_sampler)  # the sampler's first stage, row by row
         out = sampler.forward(logits, metadata)
         counts = [len(drafts[i]) + 1 for i in by_sampler]
         _split(out.sampled_token_ids.tolist(), counts, by_sampler, targets)
@@ -135,15 +153,13 @@ def _reads_output_history(params: SamplingParams) -> bool:
     )
 
 
-def propose_drafts(
-    proposer: NgramProposer, req_ids: Iterable[str], requests: RequestStates, excluded: Iterable[str]
-) -> dict[str, list[int]]:
-    """Drafts for the requests that got tokens this step and may speculate (``can_speculate``, not excluded)."""
-    skip = set(excluded)
+def propose_drafts(proposer: NgramProposer, req_ids: Iterable[str], requests: RequestStates) -> dict[str, list[int]]:
+    """Drafts for the requests that got tokens this step and may speculate (``can_speculate``). A constrained
+    request's drafts are checked against its grammar in the engine core, before they are scheduled."""
     drafts: dict[str, list[int]] = {}
     for req_id in req_ids:
         state = requests[req_id]
-        if req_id in skip or not can_speculate(state.sampling_params):
+        if not can_speculate(state.sampling_params):
             continue
         proposal = proposer.propose(state.prompt_token_ids + state.output_token_ids)
         if proposal:
