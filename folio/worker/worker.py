@@ -94,6 +94,7 @@ class Worker:
         if self.device.type == "cuda" and self.device.index is not None:
             torch.cuda.set_device(self.device)  # Triton launches and graph capture use the current device
         torch.manual_seed(config.model_config.seed)
+        self.cpu_kernels: CpuKernels | None = None
         self.model, self.spec = self._load()
         self.kv_shape = self._kv_shape(self.model, self.spec)
         # The draft model (speculative_config method "draft_model") before sizing: its K/V share each block.
@@ -164,7 +165,7 @@ class Worker:
             self.dtype,
             self.device,
             self.config.model_config.enforce_eager,
-            self._cpu_kernels(),
+            self.cpu_kernels,
             self.config.cpu_config.kv_prefetch_bytes,
         )
         return model
@@ -261,12 +262,13 @@ class Worker:
             return NoopCausalLM(spec, self.dtype, self.device), spec
         logger.info("Loading %s as %s on %s", self.config.model_config.model, self.dtype, self.device)
         model_config = self.config.model_config
+        self.cpu_kernels = self._cpu_kernels()  # the draft model's too
         model, spec = load_model(
             model_config.model,
             self.dtype,
             self.device,
             enforce_eager=model_config.enforce_eager,
-            cpu_kernels=self._cpu_kernels(),
+            cpu_kernels=self.cpu_kernels,
             cpu_kv_prefetch_bytes=self.config.cpu_config.kv_prefetch_bytes,
         )
         return model, spec
