@@ -168,7 +168,7 @@ class EngineConfig:
 
 
 # The speculative methods the engine runs; a config naming another is refused at start-up, never ignored.
-IMPLEMENTED_SPECULATIVE_METHODS: tuple[str, ...] = ("ngram",)
+IMPLEMENTED_SPECULATIVE_METHODS: tuple[str, ...] = ("ngram", "draft_model")
 
 
 @dataclass
@@ -205,6 +205,13 @@ class EngineArgs:
     # names), or a SpeculativeConfig; None: off
     speculative_config: SpeculativeConfig | dict[str, object] | None = None
 
+    def _check_draft_model_combinations(self) -> None:
+        """The host / disk KV tiers keep the target's K/V only (a draft's would be lost), the no-op model no K/V."""
+        if self.kv_offloading_size > 0:
+            raise ValueError("speculative_config.method 'draft_model' with kv_offloading_size is not implemented yet")
+        if self.model_impl == "noop":
+            raise ValueError("speculative_config.method 'draft_model' needs a real target model, not model_impl noop")
+
     def create_engine_config(self, model_path: str, model_max_len: int) -> EngineConfig:
         """Resolve defaults that depend on the model; ``model_max_len`` is the model's context length."""
         max_model_len = self.max_model_len or model_max_len
@@ -223,6 +230,8 @@ class EngineArgs:
         speculative_config = SpeculativeConfig.from_value(self.speculative_config)
         if speculative_config is not None and speculative_config.method not in IMPLEMENTED_SPECULATIVE_METHODS:
             raise ValueError(f"speculative_config.method {speculative_config.method!r} is not implemented yet")
+        if speculative_config is not None and speculative_config.method == "draft_model":
+            self._check_draft_model_combinations()
         if self.preemption_mode == "swap" and self.kv_offloading_size == 0:
             raise ValueError("preemption_mode 'swap' needs a host KV tier: set kv_offloading_size (GiB) > 0")
         return EngineConfig(

@@ -28,6 +28,7 @@ from folio.core.block_pool import BlockPool, KVCacheBlock
 from folio.core.disk_tier import DiskKVTier
 from folio.core.offload import HostKVTier
 from folio.core.sched_output import KVDiskPlans
+from folio.core.spec_decode import NO_LOOKAHEAD, Lookahead
 from folio.request import Request
 
 
@@ -57,11 +58,14 @@ class KVCacheManager:
         num_host_blocks: int = 0,
         num_disk_blocks: int = 0,
         disk_block_hashes: Sequence[int] = (),
+        lookahead: Lookahead = NO_LOOKAHEAD,
     ) -> None:
-        """``disk_block_hashes``: the hashes whose files the disk tier's directory holds at start, oldest first."""
+        """``disk_block_hashes``: the hashes whose files the disk tier's directory holds at start, oldest first.
+        ``lookahead``: slots past the scheduled tokens that a draft model writes in the same step (core/spec_decode)."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
+        self.lookahead = lookahead
         self.enable_prefix_caching = enable_prefix_caching
         self.block_pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
@@ -165,9 +169,9 @@ class KVCacheManager:
         """Give ``request`` blocks for ``num_new_tokens`` more tokens after its computed ones (and prefix hits).
 
         The request will write positions c .. c + num_new_tokens - 1, c = num_computed_tokens + num_new_computed_tokens.
-        Needed blocks: the fresh ones to cover c + num_new_tokens tokens, plus one private copy per shared block
-        (ref_count > 1) among those positions. Hit blocks that are free count against the free blocks, since
-        reviving them takes them out of the free queue.
+        Needed blocks: the fresh ones to cover c + num_new_tokens tokens (and the lookahead slots after them), plus
+        one private copy per shared block (ref_count > 1) among those positions. Hit blocks that are free count
+        against the free blocks, since reviving them takes them out of the free queue.
         Returns None and changes nothing if that many blocks are not free. Otherwise takes a reference on the hit
         blocks, applies copy-on-write (fresh blocks taken first for copies, then for the tail) and returns the diff.
         Host and disk tiers: the first fresh blocks receive the loads of the hits of the preceding
@@ -185,7 +189,8 @@ class KVCacheManager:
         if new_computed_blocks and req_blocks:
             raise ValueError(f"prefix hits for {req_id}, which already holds blocks")
         num_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
-        num_required_blocks = cdiv(num_computed_tokens + num_new_tokens, self.block_size)
+        num_slots = self.lookahead.num_slots(num_computed_tokens, num_new_tokens)
+        num_required_blocks = cdiv(num_slots, self.block_size)
         num_fresh_blocks = max(0, num_required_blocks - len(req_blocks) - len(new_computed_blocks))
         cow_indices = self._shared_blocks_to_write(req_blocks, num_computed_tokens, num_new_tokens)
         num_evictable_hits = sum(1 for block in new_computed_blocks if block.ref_count == 0)

@@ -12,6 +12,7 @@ from folio.config import EngineConfig
 from folio.core.kv_cache_manager import KVCacheManager
 from folio.core.sched_output import EngineCoreOutput, SchedulerOutput
 from folio.core.scheduler import Scheduler, SchedulerStats
+from folio.core.spec_decode import Lookahead
 from folio.executor.uniproc import UniProcExecutor
 from folio.request import FinishReason, Request
 from folio.step_timer import SCHEDULE, UPDATE_FROM_OUTPUT, StepTimer
@@ -42,6 +43,7 @@ class EngineCore:
             num_host_blocks=cache.num_host_blocks,
             num_disk_blocks=cache.num_disk_blocks,
             disk_block_hashes=cache.disk_block_hashes,
+            lookahead=Lookahead.for_config(config.speculative_config, config.scheduler_config.max_model_len),
         )
         self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager)
         self.step_timer: StepTimer | None = None  # set only by profiling benchmarks (folio.step_timer)

@@ -21,6 +21,7 @@ from folio.spec_decode.ngram_proposer import NgramProposer
 from folio.step_timer import FORWARD, PREPARE_INPUTS, SAMPLE, StepTimer
 from folio.structured.bitmask import bitmask_for_rows, constrained_greedy
 from folio.worker.decode_graphs import DecodeGraphs
+from folio.worker.draft_runner import DraftModelRunner
 from folio.worker.input_batch import ModelInput, prepare_model_input
 from folio.worker.kv_disk import DiskKVTransfer
 from folio.worker.kv_offload import KVTransfer, copy_blocks
@@ -48,7 +49,8 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None  # set by enable_decode_graphs
         self.kv_transfer: KVTransfer | None = None  # set by the worker when a host KV tier exists
         self.kv_disk: DiskKVTransfer | None = None  # set by the worker when a disk tier exists under it
-        self.proposer: NgramProposer | None = None  # set by the worker with a speculative_config
+        self.proposer: NgramProposer | None = None  # set by the worker with an n-gram speculative_config
+        self.draft_runner: DraftModelRunner | None = None  # set by the worker with a draft-model one
 
     def enable_decode_graphs(
         self, max_num_seqs: int, max_model_len: int, scratch_slot: int, capture: bool
@@ -138,6 +140,8 @@ class ModelRunner:
         drafts = {}
         if self.proposer is not None:
             drafts = propose_drafts(self.proposer, sampled, self.requests)
+        if self.draft_runner is not None:
+            drafts = self.draft_runner.propose(sched.num_scheduled_tokens, req_ids, sampled, self.requests)
         output = ModelRunnerOutput(
             req_ids=req_ids,
             sampled_token_ids=[sampled.get(r, ([], None))[0] for r in req_ids],
@@ -188,10 +192,14 @@ class ModelRunner:
         self.requests.remove(sched.finished_req_ids | sched.preempted_req_ids)
         self.requests.add_new(sched.scheduled_new_reqs)
         self.requests.apply_diffs(sched.scheduled_cached_reqs)
+        if self.draft_runner is not None:
+            self.draft_runner.update_states(sched)
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: K and V of each src block into its dst block, in every layer, before anyone writes."""
         copy_blocks(self.kv_caches, [c[0] for c in copies], self.kv_caches, [c[1] for c in copies])
+        if self.draft_runner is not None:
+            self.draft_runner.copy_blocks(copies)
 
     def _sampling_metadata(self, states: list[CachedRequestState]) -> SamplingMetadata:
         return SamplingMetadata.build(

@@ -20,6 +20,7 @@ from folio.model.loader import ModelSpec, load_model
 from folio.model.noop import NoopCausalLM
 from folio.spec_decode.ngram_proposer import NgramProposer
 from folio.worker.cpu_threads import CpuThreadGovernor
+from folio.worker.draft_runner import DraftModelRunner, load_draft_model
 from folio.worker.kv_disk import DiskKVTransfer, open_disk_tier
 from folio.worker.kv_offload import HostKVCache, KVTransfer, mem_available_bytes, resolve_num_host_blocks
 from folio.worker.model_runner import ModelRunner
@@ -93,14 +94,13 @@ class Worker:
         if self.device.type == "cuda" and self.device.index is not None:
             torch.cuda.set_device(self.device)  # Triton launches and graph capture use the current device
         torch.manual_seed(config.model_config.seed)
+        self.cpu_kernels: CpuKernels | None = None
         self.model, self.spec = self._load()
-        self.kv_shape = KVCacheShape(
-            num_layers=self.spec.num_hidden_layers,
-            block_size=config.cache_config.block_size,
-            num_kv_heads=self.spec.num_key_value_heads,
-            head_dim=self.spec.head_dim,
-            dtype=self.dtype,
-            head_major=isinstance(self.model, LlamaForCausalLM) and self.model.attn_backend.kv_cache_head_major,
+        self.kv_shape = self._kv_shape(self.model, self.spec)
+        # The draft model (speculative_config method "draft_model") before sizing: its K/V share each block.
+        self.draft_model = self._load_draft()
+        self.draft_kv_shape = (
+            None if self.draft_model is None else self._kv_shape(self.draft_model, self.draft_model.spec)
         )
         num_blocks = self.determine_num_blocks()
         config.cache_config.num_blocks = num_blocks
@@ -116,6 +116,16 @@ class Worker:
             self.device,
         )
         speculative = config.speculative_config
+        if self.draft_model is not None and self.draft_kv_shape is not None and speculative is not None:
+            assert speculative.num_speculative_tokens is not None
+            self.model_runner.draft_runner = DraftModelRunner(
+                self.draft_model,
+                self.draft_kv_shape.allocate(num_blocks + 1, self.device),
+                config.cache_config.block_size,
+                speculative.num_speculative_tokens,
+                config.scheduler_config.max_model_len,
+                self.device,
+            )
         if speculative is not None and speculative.method == "ngram":
             assert speculative.num_speculative_tokens is not None
             assert speculative.prompt_lookup_min is not None and speculative.prompt_lookup_max is not None
@@ -132,6 +142,39 @@ class Worker:
         adaptive = self.device.type == "cpu" and config.cpu_config.adaptive_threads
         self._threads = CpuThreadGovernor(torch.get_num_threads()) if adaptive else None
         self._threads_logged: int | None = None
+
+    def _kv_shape(self, model: LlamaForCausalLM | NoopCausalLM, spec: ModelSpec) -> KVCacheShape:
+        return KVCacheShape(
+            num_layers=spec.num_hidden_layers,
+            block_size=self.config.cache_config.block_size,
+            num_kv_heads=spec.num_key_value_heads,
+            head_dim=spec.head_dim,
+            dtype=self.dtype,
+            head_major=isinstance(model, LlamaForCausalLM) and model.attn_backend.kv_cache_head_major,
+        )
+
+    def _load_draft(self) -> LlamaForCausalLM | None:
+        speculative = self.config.speculative_config
+        if speculative is None or speculative.method != "draft_model" or not isinstance(self.model, LlamaForCausalLM):
+            return None
+        assert speculative.model is not None
+        model, _ = load_draft_model(
+            speculative.model,
+            self.model,
+            self.config.model_config.model,
+            self.dtype,
+            self.device,
+            self.config.model_config.enforce_eager,
+            self.cpu_kernels,
+            self.config.cpu_config.kv_prefetch_bytes,
+        )
+        return model
+
+    @property
+    def bytes_per_block(self) -> int:
+        """One KV block of the target's cache, plus the draft model's block of the same id (if any)."""
+        draft = 0 if self.draft_kv_shape is None else self.draft_kv_shape.bytes_per_block
+        return self.kv_shape.bytes_per_block + draft
 
     def _allocate_host_tier(self, noop: bool) -> HostKVCache | None:
         """The host KV tier of --kv-offloading-size GiB: resolves cache_config.num_host_blocks (read by the engine
@@ -219,12 +262,13 @@ class Worker:
             return NoopCausalLM(spec, self.dtype, self.device), spec
         logger.info("Loading %s as %s on %s", self.config.model_config.model, self.dtype, self.device)
         model_config = self.config.model_config
+        self.cpu_kernels = self._cpu_kernels()  # the draft model's too
         model, spec = load_model(
             model_config.model,
             self.dtype,
             self.device,
             enforce_eager=model_config.enforce_eager,
-            cpu_kernels=self._cpu_kernels(),
+            cpu_kernels=self.cpu_kernels,
             cpu_kv_prefetch_bytes=self.config.cpu_config.kv_prefetch_bytes,
         )
         return model, spec
@@ -250,11 +294,10 @@ class Worker:
             budget = self._profile_cuda_budget()
         else:
             budget = _default_cpu_kv_bytes()
-        num_blocks = budget // self.kv_shape.bytes_per_block
+        num_blocks = budget // self.bytes_per_block
         if num_blocks < 1:
             raise ValueError(
-                f"kv_cache_memory_bytes {budget} holds no KV block "
-                f"(one block needs {self.kv_shape.bytes_per_block} bytes)"
+                f"kv_cache_memory_bytes {budget} holds no KV block (one block needs {self.bytes_per_block} bytes)"
             )
         return int(num_blocks)
 
@@ -299,7 +342,7 @@ class Worker:
         block_size = self.config.cache_config.block_size
         max_len = self.config.scheduler_config.max_model_len
         num_tokens = num_blocks * block_size
-        gib = num_blocks * self.kv_shape.bytes_per_block / 2**30
+        gib = num_blocks * self.bytes_per_block / 2**30
         logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB)", num_blocks, block_size, num_tokens, gib)
         logger.info("Maximum concurrency for %d tokens per request: %.2fx", max_len, num_tokens / max_len)
 

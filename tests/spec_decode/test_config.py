@@ -67,7 +67,7 @@ def test_engine_config_without_speculation_has_none() -> None:
     assert EngineArgs().create_engine_config("model.gguf", 2048).speculative_config is None
 
 
-def test_flag_reaches_engine_args_and_unimplemented_methods_are_refused_not_ignored() -> None:
+def test_flag_reaches_engine_args_and_unsupported_combinations_are_refused_not_ignored() -> None:
     from folio.cli import build_parser, engine_args_from
 
     flag = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
@@ -85,6 +85,10 @@ def test_flag_reaches_engine_args_and_unimplemented_methods_are_refused_not_igno
     bad = engine_args_from(build_parser().parse_args(["serve", "--speculative-config", '{"method": "ngram"}']))
     with pytest.raises(ValueError, match="speculative_config.num_speculative_tokens is required"):
         bad.create_engine_config("model.gguf", 2048)
-    draft = EngineArgs(speculative_config={"method": "draft_model", "model": "d", "num_speculative_tokens": 2})
-    with pytest.raises(ValueError, match="speculative_config.method 'draft_model' is not implemented yet"):
-        draft.create_engine_config("model.gguf", 2048)
+    spec = {"method": "draft_model", "model": "d", "num_speculative_tokens": 2}
+    config = EngineArgs(speculative_config=spec).create_engine_config("model.gguf", 2048).speculative_config
+    assert config == SpeculativeConfig("draft_model", 2, model="d")
+    with pytest.raises(ValueError, match="'draft_model' with kv_offloading_size is not implemented yet"):
+        EngineArgs(speculative_config=spec, kv_offloading_size=1.0).create_engine_config("model.gguf", 2048)
+    with pytest.raises(ValueError, match="'draft_model' needs a real target model, not model_impl noop"):
+        EngineArgs(speculative_config=spec, model_impl="noop").create_engine_config("model.gguf", 2048)
