@@ -237,6 +237,7 @@ class Worker:
             cpu_kernels=self._cpu_kernels(),
             cpu_kv_prefetch_bytes=self.config.cpu_config.kv_prefetch_bytes,
             shard_model=functools.partial(apply_tensor_parallel, group=self.group) if tensor_parallel else None,
+            show_progress=self.group.rank == 0,
         )
         return model, spec
 

@@ -57,10 +57,16 @@ def test_tp3_on_the_real_model_matches_tp1(make_engine: Callable[..., LLM]) -> N
 @pytest.mark.parametrize("tp", [2])
 def test_tiny_model_tp_matches_tp1(tiny_model: str, make_engine: Callable[..., LLM], tp: int) -> None:
     prompts = [{"prompt_token_ids": [1, 5, 9, 17, 33, 40, 41, 60, 7]}, {"prompt_token_ids": [1, 90, 3, 4]}]
-    reference = _greedy(make_engine(tiny_model), prompts, 16, 5)
+    reference_llm = make_engine(tiny_model)
+    reference = _greedy(reference_llm, prompts, 16, 5)
+    # seeded sampling through the whole sampler (temperature, top-p) on the gathered logits: every rank draws the
+    # same token from the same numbers, or the ranks' copies of the requests would part and the text would change
+    sampled = SamplingParams(temperature=0.8, top_p=0.9, seed=123, max_tokens=16, ignore_eos=True)
+    expected_sampled = [o.outputs[0].token_ids for o in reference_llm.generate(prompts, sampled, use_tqdm=False)]
     llm = make_engine(tiny_model, tensor_parallel_size=tp)
     try:
         verdicts = _check_against_tp1(reference, llm, prompts, 16)
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, sampled, use_tqdm=False)] == expected_sampled
     finally:
         shutdown(llm)
     assert verdicts == ["identical", "identical"]
