@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from folio import LLM, SamplingParams
-from tests.parallel.conftest import TINY_KV_BYTES, shutdown
+from tests.parallel.conftest import TINY_KV_BYTES, mark_failed, shutdown
 from tests.server.conftest import start_server, wait_until
 
 _PROMPTS = [{"prompt_token_ids": [1, 5, 9, 17, 33, 40, 41]}, {"prompt_token_ids": [1, 90, 3, 4]}]
@@ -82,6 +82,7 @@ def test_more_ranks_than_gpus_is_refused(tiny_model: str) -> None:
 
 def test_a_killed_worker_fails_the_engine_at_once(tiny_model: str, make_engine: Callable[..., LLM]) -> None:
     llm = make_engine(tiny_model, tensor_parallel_size=2)
+    mark_failed(llm)
     pids = llm.llm_engine.executor.worker_pids
     errors: list[BaseException] = []
 
