@@ -125,6 +125,39 @@ class CpuConfig:
         return resolve_cpu_isa(self.isa, cpu_info()[1], is_x86_64())
 
 
+DISTRIBUTED_EXECUTOR_BACKENDS = ("uni", "mp")
+
+
+@dataclass
+class ParallelConfig:
+    """How many ranks run the model and how they are started (vLLM's names; docs/scale_out.md)."""
+
+    tensor_parallel_size: int = 1
+    # "uni": the worker in the engine core's process (one rank only); "mp": one worker process per rank
+    # (folio/executor/multiproc.py). None: "uni" for one rank, "mp" above.
+    distributed_executor_backend: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.distributed_executor_backend is None:
+            self.distributed_executor_backend = "uni" if self.world_size == 1 else "mp"
+        if self.distributed_executor_backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
+            raise ValueError(
+                f"distributed_executor_backend must be one of {DISTRIBUTED_EXECUTOR_BACKENDS}, "
+                f"got {self.distributed_executor_backend!r}"
+            )
+        if self.distributed_executor_backend == "uni" and self.world_size > 1:
+            raise ValueError(
+                f"distributed_executor_backend 'uni' runs one rank; tensor_parallel_size {self.tensor_parallel_size} "
+                "needs 'mp'"
+            )
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size
+
+
 STRUCTURED_OUTPUTS_BACKENDS = ("auto", "guidance", "xgrammar")
 
 
@@ -165,6 +198,7 @@ class EngineConfig:
     cpu_config: CpuConfig = field(default_factory=CpuConfig)
     structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     speculative_config: SpeculativeConfig | None = None  # None: no speculative decoding
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
 
 
 # The speculative methods the engine runs; a config naming another is refused at start-up, never ignored.
@@ -204,6 +238,8 @@ class EngineArgs:
     # {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n, "prompt_lookup_min": m} (vLLM's
     # names), or a SpeculativeConfig; None: off
     speculative_config: SpeculativeConfig | dict[str, object] | None = None
+    tensor_parallel_size: int = 1  # ranks that split every layer (folio/parallel/tensor_parallel.py)
+    distributed_executor_backend: str | None = None  # "uni" or "mp"; None: "uni" for one rank, "mp" above
 
     def _check_draft_model_combinations(self) -> None:
         """The host / disk KV tiers keep the target's K/V only (a draft's would be lost), the no-op model no K/V."""
@@ -211,6 +247,11 @@ class EngineArgs:
             raise ValueError("speculative_config.method 'draft_model' with kv_offloading_size is not implemented yet")
         if self.model_impl == "noop":
             raise ValueError("speculative_config.method 'draft_model' needs a real target model, not model_impl noop")
+        if self.tensor_parallel_size > 1:
+            raise ValueError(
+                "speculative_config.method 'draft_model' with tensor_parallel_size > 1 is not implemented yet: "
+                "the draft model is not sharded"
+            )
 
     def create_engine_config(self, model_path: str, model_max_len: int) -> EngineConfig:
         """Resolve defaults that depend on the model; ``model_max_len`` is the model's context length."""
@@ -234,6 +275,9 @@ class EngineArgs:
             self._check_draft_model_combinations()
         if self.preemption_mode == "swap" and self.kv_offloading_size == 0:
             raise ValueError("preemption_mode 'swap' needs a host KV tier: set kv_offloading_size (GiB) > 0")
+        parallel_config = ParallelConfig(self.tensor_parallel_size, self.distributed_executor_backend)
+        if parallel_config.world_size > 1 and self.kv_offloading_size > 0:
+            raise ValueError("kv_offloading_size with tensor_parallel_size > 1 is not supported yet: set one of them")
         return EngineConfig(
             model_config=ModelConfig(
                 model=model_path,
@@ -270,4 +314,5 @@ class EngineArgs:
             ),
             structured_outputs_config=structured_outputs_config,
             speculative_config=speculative_config,
+            parallel_config=parallel_config,
         )

@@ -7,7 +7,14 @@ import argparse
 import json
 from dataclasses import fields
 
-from folio.config import MODEL_IMPLS, PREEMPTION_MODES, SCHEDULING_POLICIES, SUPPORTED_DTYPES, EngineArgs
+from folio.config import (
+    DISTRIBUTED_EXECUTOR_BACKENDS,
+    MODEL_IMPLS,
+    PREEMPTION_MODES,
+    SCHEDULING_POLICIES,
+    SUPPORTED_DTYPES,
+    EngineArgs,
+)
 from folio.kernels.isa import CPU_ISA_CHOICES
 
 
@@ -139,6 +146,22 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         metavar="JSON",
         help='speculative decoding (docs/speculative_decoding.md): {"method": "ngram", "num_speculative_tokens": '
         'k, "prompt_lookup_max": n, "prompt_lookup_min": m} (vLLM\'s fields)',
+    )
+
+    g.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=d.tensor_parallel_size,
+        help="ranks that split every layer of the model (one worker process each; on the CPU they share the "
+        "machine's cores, on CUDA one GPU each); it must divide the model's attention heads (default 1)",
+    )
+    g.add_argument(
+        "--distributed-executor-backend",
+        default=d.distributed_executor_backend,
+        choices=DISTRIBUTED_EXECUTOR_BACKENDS,
+        help="uni: the worker runs in the engine core's process (one rank); mp: one worker process per rank, "
+        "torch.distributed between them (default: uni for one rank, mp above)",
     )
 
 

@@ -144,8 +144,8 @@ def _flop_ceiling(llm: Any, requests: list[SampleRequest], output_tps: float) ->
     now, in the engine's dtype (folio.bench.roofline). CPU only: it times a 2048^3 GEMM on the engine's cores."""
     from folio.bench.roofline import measure_matmul_flops, workload_ceiling
 
-    worker = llm.llm_engine.executor.worker
-    if worker.device.type != "cpu":
+    worker = getattr(llm.llm_engine.executor, "worker", None)  # None: the workers run in their own processes
+    if worker is None or worker.device.type != "cpu":
         return None
     matmul = measure_matmul_flops(dtype=worker.dtype, tier=llm.llm_engine.config.cpu_config.tier())
     lengths = [(len(r.prompt_token_ids), r.output_len) for r in requests]
@@ -209,7 +209,7 @@ def _latency_result(ns: argparse.Namespace, latencies: list[float]) -> dict[str,
 
 def _fused_decoder(llm: Any) -> Any:
     """The model's fused CPU decoder (folio.model.cpu_fused), or None (no-op model, --enforce-eager, CUDA)."""
-    model = getattr(llm.llm_engine.executor.worker.model, "model", None)
+    model = getattr(getattr(getattr(llm.llm_engine.executor, "worker", None), "model", None), "model", None)
     return getattr(model, "fused_cpu", None)
 
 

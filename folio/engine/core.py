@@ -13,7 +13,7 @@ from folio.core.kv_cache_manager import KVCacheManager
 from folio.core.sched_output import EngineCoreOutput, SchedulerOutput
 from folio.core.scheduler import Scheduler, SchedulerStats
 from folio.core.spec_decode import Lookahead
-from folio.executor.uniproc import UniProcExecutor
+from folio.executor import Executor
 from folio.request import FinishReason, Request
 from folio.step_timer import SCHEDULE, UPDATE_FROM_OUTPUT, StepTimer
 from folio.structured.manager import StructuredOutputManager
@@ -25,7 +25,7 @@ logger = logging.getLogger("folio")
 
 class EngineCore:
     def __init__(
-        self, config: EngineConfig, executor: UniProcExecutor, load_tokenizer: Callable[[], Any] | None = None
+        self, config: EngineConfig, executor: Executor, load_tokenizer: Callable[[], Any] | None = None
     ) -> None:
         """``load_tokenizer``: for the grammar library (default: load the model's tokenizer when first needed)."""
         self.config = config
@@ -109,7 +109,14 @@ class EngineCore:
 
     def shutdown(self) -> None:
         """With a disk tier: write every cached block of the device and host tiers there, so that a restarted engine
-        finds the whole prefix cache warm (between steps only; a running request's cached blocks count too)."""
+        finds the whole prefix cache warm (between steps only; a running request's cached blocks count too). Then
+        stops the executor's worker processes, if it has any."""
+        try:
+            self._flush_to_disk()
+        finally:
+            self.executor.shutdown()
+
+    def _flush_to_disk(self) -> None:
         manager = self.kv_cache_manager
         if manager.disk_tier is None:
             return

@@ -62,12 +62,12 @@ class StepOutputs:
 def run_engine_core(config: EngineConfig, requests_in: Any, outputs_out: Any) -> None:
     """Child-process entry: load the model, report ready, then serve the step loop until told to stop."""
     from folio.engine.core import EngineCore
-    from folio.executor.uniproc import UniProcExecutor
+    from folio.executor import make_executor
     from folio.logger import init_logger
 
     init_logger()
     try:
-        executor = UniProcExecutor(config)
+        executor = make_executor(config)
         core = EngineCore(config, executor)
     except Exception as e:  # reported to the frontend, which raises it for the user
         outputs_out.send(CoreFailed(f"{type(e).__name__}: {e}"))

@@ -12,7 +12,7 @@ from folio.core.scheduler import SchedulerStats
 from folio.engine.core import EngineCore
 from folio.engine.input_processor import InputProcessor, PromptType
 from folio.engine.output_processor import OutputProcessor, RequestOutputKind
-from folio.executor.uniproc import UniProcExecutor
+from folio.executor import make_executor
 from folio.model.loader import default_model_path, load_tokenizer, read_model_spec
 from folio.outputs import RequestOutput
 from folio.sampling_params import SamplingParams
@@ -25,7 +25,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, tokenizer: Any) -> None:
         self.config = config
         self.tokenizer = tokenizer
-        self.executor = UniProcExecutor(config)
+        self.executor = make_executor(config)
         self.model_spec = self.executor.model_spec
         self.engine_core = EngineCore(config, self.executor, load_tokenizer=lambda: tokenizer)
         self.input_processor = InputProcessor(

@@ -1,0 +1,33 @@
+"""Executors run the model for the engine core: the worker in the core's own process (uniproc) or one worker
+process per rank (multiproc). One interface, so the engine core never knows how many ranks there are."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from folio.config import EngineConfig
+from folio.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from folio.model.spec import ModelSpec
+from folio.step_timer import StepTimer
+
+
+class Executor(Protocol):
+    @property
+    def model_spec(self) -> ModelSpec: ...
+
+    def set_step_timer(self, timer: StepTimer | None) -> None: ...
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+    def shutdown(self) -> None: ...
+
+
+def make_executor(config: EngineConfig) -> Executor:
+    """The executor config.parallel_config names; it resolves config.cache_config's block counts before returning."""
+    if config.parallel_config.distributed_executor_backend == "mp":
+        from folio.executor.multiproc import MultiProcExecutor
+
+        return MultiProcExecutor(config)
+    from folio.executor.uniproc import UniProcExecutor
+
+    return UniProcExecutor(config)

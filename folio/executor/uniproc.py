@@ -26,3 +26,6 @@ class UniProcExecutor:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(scheduler_output)
+
+    def shutdown(self) -> None:
+        """Nothing to stop: the worker lives and dies with this process."""

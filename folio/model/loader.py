@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Callable
 
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
@@ -66,13 +67,15 @@ def load_model(
     enforce_eager: bool = False,
     cpu_kernels: CpuKernels | None = None,
     cpu_kv_prefetch_bytes: int | None = None,
+    shard_model: Callable[[LlamaForCausalLM], None] | None = None,
 ) -> tuple[LlamaForCausalLM, ModelSpec]:
     """Builds the model for ``path`` and fills its weights. attn_backend defaults to the one chosen for device.
     On the CPU, ``cpu_kernels`` (default: this CPU's best tier) says which kernels run: the weights are packed
     for the plan's GEMM and, unless enforce_eager, the decoder layers run fused (folio/model/cpu_binding.py).
 
     Raises FileNotFoundError / ValueError naming the path for a missing or malformed checkpoint, an
-    unsupported architecture, or missing tensors.
+    unsupported architecture, or missing tensors. ``shard_model`` (tensor parallelism) runs on the loaded weights,
+    before the CPU packing.
     """
     _check_exists(path)
     device = torch.device(device)
@@ -93,6 +96,8 @@ def load_model(
         model.load_weights(weights)
     except ValueError as e:  # errors from the weight readers already name the file
         raise ValueError(str(e) if path in str(e) else f"{path}: {e}") from None
+    if shard_model is not None:
+        shard_model(model)
     if cpu_kernels is not None and device.type == "cpu":
         prepare_for_cpu(model, cpu_kernels, enforce_eager, cpu_kv_prefetch_bytes)
     return model.eval(), spec

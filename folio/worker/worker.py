@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -18,6 +19,8 @@ from folio.kernels.hugepages import empty_hugepage_backed
 from folio.model.llama import LlamaForCausalLM
 from folio.model.loader import ModelSpec, load_model
 from folio.model.noop import NoopCausalLM
+from folio.parallel.group import RankGroup
+from folio.parallel.tensor_parallel import apply_tensor_parallel, local_num_kv_heads
 from folio.spec_decode.ngram_proposer import NgramProposer
 from folio.worker.cpu_threads import CpuThreadGovernor
 from folio.worker.draft_runner import DraftModelRunner, load_draft_model
@@ -88,9 +91,13 @@ class KVCacheShape:
 
 
 class Worker:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, group: RankGroup | None = None) -> None:
+        """``group``: this worker's rank among the tensor-parallel ranks (None: the only rank)."""
         self.config = config
+        self.group = group if group is not None else RankGroup(0, 1)
         self.device = resolve_device(config.device)
+        if self.device.type == "cuda" and self.group.world_size > 1:
+            self.device = torch.device("cuda", self.group.rank)  # one GPU per rank
         if self.device.type == "cuda" and self.device.index is not None:
             torch.cuda.set_device(self.device)  # Triton launches and graph capture use the current device
         torch.manual_seed(config.model_config.seed)
@@ -102,7 +109,7 @@ class Worker:
         self.draft_kv_shape = (
             None if self.draft_model is None else self._kv_shape(self.draft_model, self.draft_model.spec)
         )
-        num_blocks = self.determine_num_blocks()
+        num_blocks = self.group.min_int(self.determine_num_blocks())  # every rank holds every block
         config.cache_config.num_blocks = num_blocks
         self._report_capacity(num_blocks)
         # The no-op model never touches K/V, so its KV cache is accounted (blocks) but not allocated.
@@ -147,7 +154,7 @@ class Worker:
         return KVCacheShape(
             num_layers=spec.num_hidden_layers,
             block_size=self.config.cache_config.block_size,
-            num_kv_heads=spec.num_key_value_heads,
+            num_kv_heads=local_num_kv_heads(spec, self.group.world_size),
             head_dim=spec.head_dim,
             dtype=self.dtype,
             head_major=isinstance(model, LlamaForCausalLM) and model.attn_backend.kv_cache_head_major,
@@ -238,6 +245,7 @@ class Worker:
         return (
             self.device.type == "cuda"
             and not self.config.model_config.enforce_eager
+            and self.group.world_size == 1  # collectives inside captured graphs: not yet
             and isinstance(self.model, LlamaForCausalLM)
             and getattr(self.model.attn_backend, "supports_cuda_graphs", False)
         )
@@ -263,13 +271,17 @@ class Worker:
         logger.info("Loading %s as %s on %s", self.config.model_config.model, self.dtype, self.device)
         model_config = self.config.model_config
         self.cpu_kernels = self._cpu_kernels()  # the draft model's too
+        tensor_parallel = self.group.world_size > 1
         model, spec = load_model(
             model_config.model,
             self.dtype,
             self.device,
-            enforce_eager=model_config.enforce_eager,
+            # the fused CPU decoder runs every layer in one C call, with no collectives between: TP runs per layer
+            enforce_eager=model_config.enforce_eager or tensor_parallel,
             cpu_kernels=self.cpu_kernels,
             cpu_kv_prefetch_bytes=self.config.cpu_config.kv_prefetch_bytes,
+            shard_model=functools.partial(apply_tensor_parallel, group=self.group) if tensor_parallel else None,
+            show_progress=self.group.rank == 0,
         )
         return model, spec
 
@@ -292,8 +304,8 @@ class Worker:
             budget = cache.kv_cache_memory_bytes
         elif self.device.type == "cuda":
             budget = self._profile_cuda_budget()
-        else:
-            budget = _default_cpu_kv_bytes()
+        else:  # the ranks share the machine's RAM: each takes its share of the default
+            budget = _default_cpu_kv_bytes() // self.group.world_size
         num_blocks = budget // self.bytes_per_block
         if num_blocks < 1:
             raise ValueError(

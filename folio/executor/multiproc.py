@@ -1,0 +1,203 @@
+"""MultiProcExecutor: one worker process per rank (folio/executor/worker_proc.py), started by the engine core.
+
+Each step the SchedulerOutput is pickled once and the same bytes go down every rank's pipe; rank 0 (the driver)
+sends the ModelRunnerOutput back. The other ranks only take part in the collectives inside the forward pass and
+sample the same tokens from the same gathered numbers, so their copies of the requests stay the same.
+Every wait on the workers also waits on their process sentinels: a worker that dies (killed, crashed, or failed
+with its error reported) is an engine error at once, never a hang; the executor then stops the other ranks.
+Why pipes: one pickled decode step of 256 requests is a few KiB, and a pipe round trip costs tens of
+microseconds (docs/scale_out.md), small beside a step; a shared-memory ring (vLLM's) pays off with many ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import multiprocessing.connection
+import pickle
+import socket
+import time
+import weakref
+from typing import Any, NoReturn
+
+from folio.config import EngineConfig
+from folio.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from folio.executor.worker_proc import WorkerFailed, WorkerReady, run_worker
+from folio.model.spec import ModelSpec
+from folio.step_timer import StepTimer
+
+logger = logging.getLogger("folio")
+
+_READY_TIMEOUT_S = 600.0
+_STOP_TIMEOUT_S = 5.0
+
+
+class MultiProcExecutor:
+    def __init__(self, config: EngineConfig) -> None:
+        self.world_size = config.parallel_config.world_size
+        check_parallel_start(config)
+        _allow_children()
+        ctx = multiprocessing.get_context("spawn")
+        port = _free_port()
+        self._procs: list[Any] = []
+        self._to_workers: list[Any] = []
+        self._from_workers: list[Any] = []
+        for rank in range(self.world_size):
+            sched_out, sched_in = ctx.Pipe(duplex=False)  # (receive end, send end)
+            results_out, results_in = ctx.Pipe(duplex=False)
+            proc = ctx.Process(
+                target=run_worker,
+                args=(config, rank, self.world_size, port, sched_out, results_in),
+                name=f"folio-worker-{rank}",
+                daemon=True,
+            )
+            proc.start()
+            sched_out.close()  # the child holds its own copies; closing ours makes EOF visible when it dies
+            results_in.close()
+            self._procs.append(proc)
+            self._to_workers.append(sched_in)
+            self._from_workers.append(results_out)
+        self._stop = weakref.finalize(self, _stop_workers, self._procs, self._to_workers, self._from_workers)
+        self._failure: str | None = None
+        ready = self._wait_ready()
+        cache = config.cache_config
+        cache.num_blocks, cache.num_host_blocks = ready.num_blocks, ready.num_host_blocks
+        cache.num_disk_blocks, cache.disk_block_hashes = ready.num_disk_blocks, ready.disk_block_hashes
+        self._model_spec = ready.model_spec
+
+    @property
+    def model_spec(self) -> ModelSpec:
+        return self._model_spec
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return [proc.pid for proc in self._procs]
+
+    def set_step_timer(self, timer: StepTimer | None) -> None:
+        """The step's phases run in the worker processes: no per-phase timings here."""
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        if self._failure is not None:
+            raise RuntimeError(self._failure)
+        payload = pickle.dumps(scheduler_output, protocol=pickle.HIGHEST_PROTOCOL)
+        for rank, conn in enumerate(self._to_workers):
+            try:
+                conn.send_bytes(payload)
+            except OSError:  # its end of the pipe is closed: the process is gone
+                self._fail(self._death_message(rank))
+        rank, message = self._receive()
+        if rank != 0 or not isinstance(message, ModelRunnerOutput):
+            self._fail(f"worker rank {rank} sent an unexpected {type(message).__name__}")
+        return message
+
+    def shutdown(self) -> None:
+        """Tells every worker to stop, kills those still alive after a few seconds. Idempotent."""
+        if self._failure is None:
+            self._failure = "the executor was shut down"
+        self._stop()
+
+    def _wait_ready(self) -> WorkerReady:
+        """Every rank's WorkerReady (rank 0's returned); a failure raises (ValueError for a bad configuration)."""
+        deadline = time.monotonic() + _READY_TIMEOUT_S
+        ready: dict[int, WorkerReady] = {}
+        while len(ready) < self.world_size:
+            rank, message = self._receive(deadline)
+            if not isinstance(message, WorkerReady):
+                self._fail(f"worker rank {rank} sent an unexpected {type(message).__name__}")
+            ready[rank] = message
+        return ready[0]
+
+    def _receive(self, deadline: float | None = None) -> tuple[int, Any]:
+        """The next (rank, message) from any worker, waiting on every worker's sentinel too: raises at once when
+        a worker dies or reports a failure (after stopping the others)."""
+        sentinels = {proc.sentinel: r for r, proc in enumerate(self._procs)}
+        pipes = {id(conn): r for r, conn in enumerate(self._from_workers)}
+        while True:
+            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready = multiprocessing.connection.wait([*self._from_workers, *sentinels], timeout)
+            if not ready:
+                self._fail(f"the worker processes did not start within {_READY_TIMEOUT_S:.0f} s")
+            for obj in ready:  # pipes first: a failing worker reports its error, then exits
+                if not isinstance(obj, int) and (message := self._recv(obj)) is not None:
+                    if isinstance(message, WorkerFailed):
+                        self._fail_with(message, pipes[id(obj)])
+                    return pipes[id(obj)], message
+            for obj in ready:
+                if isinstance(obj, int):
+                    self._fail(self._death_message(sentinels[obj]))
+
+    def _recv(self, conn: Any) -> Any:
+        try:
+            return pickle.loads(conn.recv_bytes())
+        except (EOFError, OSError):
+            return None  # the process is exiting; its sentinel reports it
+
+    def _fail_with(self, message: WorkerFailed, rank: int) -> NoReturn:
+        if message.error_type == "ValueError":  # a bad configuration, as the in-process worker would raise it
+            self._failure = message.message
+            self.shutdown()
+            raise ValueError(message.message)
+        self._fail(f"worker rank {rank} failed: {message.error_type}: {message.message}")
+
+    def _death_message(self, rank: int) -> str:
+        proc = self._procs[rank]
+        proc.join(1.0)  # its exit code is known once it is reaped
+        return f"worker rank {rank} (pid {proc.pid}) died (exit code {proc.exitcode})"
+
+    def _fail(self, message: str) -> NoReturn:
+        self._failure = message
+        logger.error("%s: stopping the other workers", message)
+        self.shutdown()
+        raise RuntimeError(message)
+
+
+def check_parallel_start(config: EngineConfig) -> None:
+    """Bad parallel settings as a ValueError naming the flag and the limit, before any process starts."""
+    world_size = config.parallel_config.world_size
+    if world_size == 1:
+        return
+    from folio.model.loader import read_model_spec
+    from folio.parallel.tensor_parallel import check_tensor_parallel
+    from folio.worker.worker import resolve_device
+
+    check_tensor_parallel(read_model_spec(config.model_config.model), world_size)
+    if resolve_device(config.device).type == "cuda":
+        import torch
+
+        num_gpus = torch.cuda.device_count()
+        if world_size > num_gpus:
+            raise ValueError(
+                f"tensor_parallel_size (--tensor-parallel-size) {world_size} needs one GPU per rank; this machine "
+                f"has {num_gpus}"
+            )
+
+
+def _allow_children() -> None:
+    """The serving engine core is a daemon process (it dies with the server) and Python refuses children to a
+    daemon. Its workers are daemons of the core and read its pipe, so they never outlive it either way."""
+    current = multiprocessing.current_process()
+    if current.daemon:
+        current.daemon = False
+
+
+def _free_port() -> int:
+    """A free TCP port on 127.0.0.1 for the rank group's rendezvous (rank 0 binds it moments later)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _stop_workers(procs: list[Any], to_workers: list[Any], from_workers: list[Any]) -> None:
+    for conn in to_workers:
+        with contextlib.suppress(OSError):
+            conn.send_bytes(b"")  # stop
+    deadline = time.monotonic() + _STOP_TIMEOUT_S
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+            proc.join(_STOP_TIMEOUT_S)
+    for conn in (*to_workers, *from_workers):
+        conn.close()

@@ -1,0 +1,84 @@
+"""One rank's worker process of the multiprocess executor: join the rank group, build the Worker, then run
+every SchedulerOutput the engine core sends; rank 0 alone sends each step's ModelRunnerOutput back.
+
+Two pipes per rank: pickled SchedulerOutputs in (an empty message means stop), messages out (ready, failed,
+rank 0's outputs). The process ends when the core says so, when the core's end of the pipe closes (EOF: the
+core is gone), or on an error, which it reports before exiting non-zero.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+from folio.config import EngineConfig
+from folio.model.spec import ModelSpec
+
+
+@dataclass
+class WorkerReady:
+    rank: int
+    model_spec: ModelSpec
+    num_blocks: int  # the same on every rank (the ranks agree on the smallest)
+    num_host_blocks: int = 0
+    num_disk_blocks: int = 0
+    disk_block_hashes: list[int] = field(default_factory=list)
+
+
+@dataclass
+class WorkerFailed:
+    rank: int
+    error_type: str  # the exception's class name; ValueError (bad configuration) is raised again as one
+    message: str
+
+
+def run_worker(config: EngineConfig, rank: int, world_size: int, port: int, sched_in: Any, results_out: Any) -> None:
+    """Process entry (spawned by MultiProcExecutor)."""
+    import torch
+
+    from folio.logger import init_logger
+    from folio.parallel.group import RankGroup, init_rank_group
+    from folio.worker.worker import Worker, resolve_device
+
+    init_logger()
+    # The ranks share the machine's cores (CPU) unless OMP_NUM_THREADS says otherwise for each.
+    torch.set_num_threads(max(1, torch.get_num_threads() // world_size))
+    try:
+        device_type = resolve_device(config.device).type
+        group = init_rank_group(rank, world_size, port, device_type) if world_size > 1 else RankGroup(0, 1)
+        worker = Worker(config, group)
+    except Exception as e:
+        _report_failure(results_out, rank, e, str(e))
+        os._exit(1)
+    cache = config.cache_config
+    results_out.send(
+        WorkerReady(
+            rank, worker.spec, cache.num_blocks, cache.num_host_blocks, cache.num_disk_blocks, cache.disk_block_hashes
+        )
+    )
+    try:
+        _serve(worker, rank, sched_in, results_out)
+    except (EOFError, BrokenPipeError, KeyboardInterrupt):
+        os._exit(0)  # the core went away: nothing left to serve
+    except Exception as e:
+        _report_failure(results_out, rank, e, traceback.format_exc())
+        os._exit(1)
+
+
+def _serve(worker: Any, rank: int, sched_in: Any, results_out: Any) -> None:
+    while True:
+        payload = sched_in.recv_bytes()
+        if not payload:
+            return
+        output = worker.execute_model(pickle.loads(payload))
+        if rank == 0:
+            results_out.send_bytes(pickle.dumps(output, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def _report_failure(results_out: Any, rank: int, error: Exception, message: str) -> None:
+    with contextlib.suppress(OSError):  # the core may be gone already
+        results_out.send(WorkerFailed(rank, type(error).__name__, message))

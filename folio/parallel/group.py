@@ -1,0 +1,68 @@
+"""The ranks that share one model (a torch.distributed process group) and the few collectives the model uses.
+
+Each worker process of the multiprocess executor joins one group at start (gloo on the CPU, NCCL on CUDA) over
+TCP on 127.0.0.1; the group object is passed to the layers that need it, never looked up from a global.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+# A collective that waits longer than this raises (a peer is gone or stuck): the worker then exits and the engine
+# core, which watches every worker process, reports the failure. Long enough for a first CUDA step's compilation.
+COLLECTIVE_TIMEOUT_S = 300.0
+
+
+@dataclass
+class RankGroup:
+    rank: int
+    world_size: int
+    group: Any = None  # torch.distributed ProcessGroup; None only where world_size is 1 (no collectives)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sums x over the ranks, in place; returns it."""
+        if self.world_size > 1:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """[...] on every rank -> [world_size, ...]: every rank's x, in rank order (x has the same shape everywhere)."""
+        if self.world_size == 1:
+            return x.unsqueeze(0)
+        # gloo wants the ranks' tensors concatenated along dim 0: [world_size * x.shape[0], ...], then viewed
+        out = torch.empty((self.world_size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
+        gather(out, x.contiguous(), group=self.group)
+        return out.view(self.world_size, *x.shape)
+
+    def min_int(self, value: int) -> int:
+        """The smallest of every rank's value (the KV blocks every rank can hold)."""
+        if self.world_size == 1:
+            return value
+        device = "cuda" if dist.get_backend(self.group) == "nccl" else "cpu"
+        t = torch.tensor([value], dtype=torch.int64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return int(t.item())
+
+
+def init_rank_group(rank: int, world_size: int, port: int, device_type: str) -> RankGroup:
+    """Joins the group of world_size ranks whose rank 0 listens on 127.0.0.1:port (gloo on the CPU, NCCL on CUDA)."""
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+    )
+    return RankGroup(rank, world_size, dist.group.WORLD)
+
+
+def destroy_rank_group(group: RankGroup) -> None:
+    if group.world_size > 1 and dist.is_initialized():
+        dist.destroy_process_group()

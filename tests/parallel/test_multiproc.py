@@ -1,0 +1,145 @@
+"""The multiprocess executor on real worker processes: the same greedy tokens as the in-process worker; bad
+parallel settings refused at start naming the flag and the limit; a worker killed mid-run is an engine error at
+once (offline: RuntimeError, later calls too; serving: the stream's error event, /health 503, exit 1), and no
+worker process outlives its engine."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+import torch
+
+from folio import LLM, SamplingParams
+from tests.parallel.conftest import TINY_KV_BYTES, mark_failed, shutdown
+from tests.server.conftest import start_server, wait_until
+
+_PROMPTS = [{"prompt_token_ids": [1, 5, 9, 17, 33, 40, 41]}, {"prompt_token_ids": [1, 90, 3, 4]}]
+_GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+_HANG_GUARD_S = 60.0
+
+
+def _tokens(llm: LLM) -> list[list[int]]:
+    return [list(out.outputs[0].token_ids) for out in llm.generate(_PROMPTS, _GREEDY, use_tqdm=False)]
+
+
+def test_one_worker_process_gives_the_in_process_tokens(tiny_model: str, make_engine: Callable[..., LLM]) -> None:
+    expected = _tokens(make_engine(tiny_model))
+    llm = make_engine(tiny_model, distributed_executor_backend="mp")
+    try:
+        (pid,) = llm.llm_engine.executor.worker_pids
+        assert pid != os.getpid()
+        assert _tokens(llm) == expected
+    finally:
+        shutdown(llm)
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (
+            {"tensor_parallel_size": 2},
+            r"tensor_parallel_size \(--tensor-parallel-size\) 2 must divide the model's number of attention heads 9",
+        ),
+        ({"tensor_parallel_size": 0}, "tensor_parallel_size must be >= 1, got 0"),
+        (
+            {"tensor_parallel_size": 3, "distributed_executor_backend": "uni"},
+            "distributed_executor_backend 'uni' runs one rank; tensor_parallel_size 3 needs 'mp'",
+        ),
+        ({"distributed_executor_backend": "ray"}, r"distributed_executor_backend must be one of \('uni', 'mp'\)"),
+        (
+            {"tensor_parallel_size": 3, "kv_offloading_size": 0.01},
+            "kv_offloading_size with tensor_parallel_size > 1 is not supported yet",
+        ),
+    ],
+)
+def test_bad_parallel_settings_are_refused_before_any_worker_starts(kwargs: dict[str, object], message: str) -> None:
+    before = set(psutil.Process().children())
+    with pytest.raises(ValueError, match=message):
+        LLM(dtype="float32", kv_cache_memory_bytes=2**26, **kwargs)  # type: ignore[arg-type]
+    assert set(psutil.Process().children()) == before
+
+
+def test_more_ranks_than_gpus_is_refused(tiny_model: str) -> None:
+    num_gpus = torch.cuda.device_count()
+    if num_gpus >= 4:
+        pytest.skip("this machine has a GPU for every rank the tiny model can split into")
+    tp = 2 if num_gpus < 2 else 4
+    message = (
+        f"tensor_parallel_size \\(--tensor-parallel-size\\) {tp} needs one GPU per rank; this machine has {num_gpus}"
+    )
+    with pytest.raises(ValueError, match=message):
+        LLM(tiny_model, device="cuda", tensor_parallel_size=tp, kv_cache_memory_bytes=TINY_KV_BYTES)
+
+
+def test_a_killed_worker_fails_the_engine_at_once(tiny_model: str, make_engine: Callable[..., LLM]) -> None:
+    llm = make_engine(tiny_model, tensor_parallel_size=2)
+    mark_failed(llm)
+    pids = llm.llm_engine.executor.worker_pids
+    errors: list[BaseException] = []
+
+    def generate() -> None:
+        params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+        try:
+            llm.generate(_PROMPTS, params, use_tqdm=False)
+        except BaseException as e:  # noqa: BLE001 - handed to the test thread
+            errors.append(e)
+
+    thread = threading.Thread(target=generate)
+    thread.start()
+    scheduler = llm.llm_engine.scheduler
+    # mid-run: a request has decoded a few tokens (the scheduler's own record), then rank 1 dies
+    assert wait_until(lambda: any(r.num_output_tokens >= 3 for r in list(scheduler.requests.values())), _HANG_GUARD_S)
+    os.kill(pids[1], signal.SIGKILL)
+    thread.join(_HANG_GUARD_S)  # hang guard only
+    assert not thread.is_alive(), "the engine hung after its worker died"
+    (error,) = errors
+    assert isinstance(error, RuntimeError)
+    assert f"worker rank 1 (pid {pids[1]}) died (exit code -9)" in str(error)
+    for pid in pids:  # the executor stopped rank 0 too
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    with pytest.raises(RuntimeError, match="worker rank 1"):  # later calls fail the same way, never hang
+        llm.generate(_PROMPTS, _GREEDY, use_tqdm=False)
+
+
+def test_a_killed_worker_makes_the_server_answer_503_and_exit_1(tmp_path: Path, tiny_model: str) -> None:
+    args = ["--model", tiny_model, "-tp", "2", "--kv-cache-memory-bytes", str(TINY_KV_BYTES), "--max-model-len", "256"]
+    server = start_server(tmp_path, "tp_death", args)
+    try:
+        core_pid = httpx.get(server.url("/version")).json()["engine_core_pid"]
+        workers = psutil.Process(core_pid).children()
+        assert len(workers) == 2
+        body = {"prompt": "w3 w4 w5", "max_tokens": 200, "ignore_eos": True, "stream": True}
+        events: list[str] = []
+        with httpx.stream("POST", server.url("/v1/completions"), json=body, timeout=_HANG_GUARD_S) as response:
+            assert response.status_code == 200
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[len("data: ") :])
+                    if len(events) == 1:
+                        workers[-1].kill()
+        assert events[-1] == "[DONE]"
+        assert json.loads(events[-2])["error"]["code"] == "engine_dead"
+        # marked dead before the error event went out; the server answers for 2 s more (as for the core's death)
+        assert _status(server.url("/health")) == 503
+        assert server.process.wait(timeout=_HANG_GUARD_S) == 1  # hang guard only
+        log = server.log_tail(20000)
+        assert "RuntimeError: worker rank 1" in log and "died (exit code -9)" in log
+        assert wait_until(lambda: not any(w.is_running() and w.status() != "zombie" for w in workers), 10)
+    finally:
+        server.stop()
+
+
+def _status(url: str) -> int | None:
+    try:
+        return httpx.get(url, timeout=10).status_code
+    except httpx.TransportError:
+        return None

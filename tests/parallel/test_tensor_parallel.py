@@ -1,0 +1,136 @@
+"""Tensor parallelism end to end on real worker processes (gloo on this CPU): greedy outputs at tp=3 on the real
+model (9 heads, 3 KV heads) and at tp=2 on a tiny random Llama equal tp=1's, or follow the top-5 rule at a
+divergence; the distributed arg-max picks the same tokens as the arg-max of the gathered logits. Plus the shard
+plan's arithmetic (which heads, KV heads, rows each rank keeps) without processes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from folio import LLM, SamplingParams
+from folio.model.spec import ModelSpec
+from folio.parallel.tensor_parallel import ShardPlan, check_tensor_parallel, local_num_kv_heads
+from tests.engine.greedy_compare import compare_greedy, from_folio_output
+from tests.parallel.conftest import shutdown
+
+
+def _greedy(llm: LLM, prompts: list[Any], max_tokens: int, logprobs: int | None) -> list[Any]:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs)
+    return llm.generate(prompts, params, use_tqdm=False)
+
+
+def _check_against_tp1(reference: list[Any], candidate: LLM, prompts: list[Any], max_tokens: int) -> list[str]:
+    """candidate's greedy runs with logprobs (gathered logits) held to tp=1's by the top-5 rule; its runs without
+    (distributed arg-max) must pick exactly the tokens of its own gathered-logits runs."""
+    with_logprobs = _greedy(candidate, prompts, max_tokens, 5)
+    verdicts = [
+        compare_greedy(from_folio_output(ref), from_folio_output(out), f"prompt {i}")
+        for i, (ref, out) in enumerate(zip(reference, with_logprobs, strict=True))
+    ]
+    argmax_only = _greedy(candidate, prompts, max_tokens, None)
+    for a, b in zip(with_logprobs, argmax_only, strict=True):
+        assert list(a.outputs[0].token_ids) == list(b.outputs[0].token_ids)
+    return verdicts
+
+
+def test_tp3_on_the_real_model_matches_tp1(make_engine: Callable[..., LLM]) -> None:
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    reference_llm = make_engine()
+    reference = _greedy(reference_llm, prompts, 10, 5)
+    tp3 = make_engine(tensor_parallel_size=3)
+    try:
+        assert tp3.llm_engine.config.parallel_config.distributed_executor_backend == "mp"
+        assert len(tp3.llm_engine.executor.worker_pids) == 3
+        # every rank holds 1 of the 3 KV heads: a third of tp=1's bytes per block, so its 2**26 bytes hold 3x the blocks
+        assert (
+            tp3.llm_engine.config.cache_config.num_blocks == 3 * reference_llm.llm_engine.config.cache_config.num_blocks
+        )
+        verdicts = _check_against_tp1(reference, tp3, prompts, 10)
+    finally:
+        shutdown(tp3)
+    print("tp=3 vs tp=1:", verdicts)
+
+
+@pytest.mark.parametrize("tp", [2])
+def test_tiny_model_tp_matches_tp1(tiny_model: str, make_engine: Callable[..., LLM], tp: int) -> None:
+    prompts = [{"prompt_token_ids": [1, 5, 9, 17, 33, 40, 41, 60, 7]}, {"prompt_token_ids": [1, 90, 3, 4]}]
+    reference_llm = make_engine(tiny_model)
+    reference = _greedy(reference_llm, prompts, 16, 5)
+    # seeded sampling through the whole sampler (temperature, top-p) on the gathered logits: every rank draws the
+    # same token from the same numbers, or the ranks' copies of the requests would part and the text would change
+    sampled = SamplingParams(temperature=0.8, top_p=0.9, seed=123, max_tokens=16, ignore_eos=True)
+    expected_sampled = [o.outputs[0].token_ids for o in reference_llm.generate(prompts, sampled, use_tqdm=False)]
+    llm = make_engine(tiny_model, tensor_parallel_size=tp)
+    try:
+        verdicts = _check_against_tp1(reference, llm, prompts, 16)
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, sampled, use_tqdm=False)] == expected_sampled
+    finally:
+        shutdown(llm)
+    assert verdicts == ["identical", "identical"]
+
+
+def _spec(heads: int, kv_heads: int, intermediate: int = 64, vocab: int = 96) -> ModelSpec:
+    return ModelSpec(
+        "LlamaForCausalLM", vocab, 8 * heads, intermediate, 2, heads, kv_heads, 8, 1e-5, 1e4, None, 256, True, False, 1
+    )
+
+
+def test_shard_plan_of_smollm2_at_tp3() -> None:
+    spec = _spec(9, 3, intermediate=1536, vocab=49152)
+    plans = [ShardPlan.make(spec, rank, 3) for rank in range(3)]
+    assert [p.q_heads for p in plans] == [(0, 3), (3, 6), (6, 9)]
+    assert [p.kv_heads for p in plans] == [(0, 1), (1, 2), (2, 3)]
+    assert [p.intermediate for p in plans] == [(0, 512), (512, 1024), (1024, 1536)]
+    assert [p.vocab for p in plans] == [(0, 16384), (16384, 32768), (32768, 49152)]
+    assert local_num_kv_heads(spec, 3) == 1
+
+
+def test_kv_heads_are_replicated_where_tp_exceeds_them() -> None:
+    """4 heads, 2 KV heads at tp=4 (vLLM's rule): ranks 0, 1 share KV head 0, ranks 2, 3 KV head 1."""
+    spec = _spec(4, 2)
+    assert [ShardPlan.make(spec, r, 4).kv_heads for r in range(4)] == [(0, 1), (0, 1), (1, 2), (1, 2)]
+    assert local_num_kv_heads(spec, 4) == 1
+
+
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 2), (8, 8), (12, 4), (16, 2), (9, 3), (32, 8)])
+def test_every_rank_holds_the_kv_heads_its_query_heads_read(heads: int, kv_heads: int) -> None:
+    """Grouped-query attention: query head h reads KV head h // (heads / kv_heads). For every tp that splits the
+    model, each rank's query heads find their KV head among the rank's own, at the same local offset."""
+    spec = _spec(heads, kv_heads, intermediate=16 * heads)  # every tp that divides the heads divides this
+    group = heads // kv_heads
+    for tp in (t for t in range(1, heads + 1) if heads % t == 0 and (kv_heads % t == 0 or t % kv_heads == 0)):
+        for rank in range(tp):
+            plan = ShardPlan.make(spec, rank, tp)
+            local_group = (plan.q_heads[1] - plan.q_heads[0]) // (plan.kv_heads[1] - plan.kv_heads[0])
+            for local_q, h in enumerate(range(*plan.q_heads)):
+                assert plan.kv_heads[0] + local_q // local_group == h // group, (tp, rank, h)
+
+
+def test_a_vocabulary_tp_does_not_divide_leaves_the_last_slice_short() -> None:
+    spec = _spec(4, 2, vocab=97)
+    assert [ShardPlan.make(spec, r, 4).vocab for r in range(4)] == [(0, 25), (25, 50), (50, 75), (75, 97)]
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "tp", "message"),
+    [
+        (
+            9,
+            3,
+            2,
+            "tensor_parallel_size (--tensor-parallel-size) 2 must divide the model's number of attention heads 9",
+        ),
+        (12, 4, 6, "tensor_parallel_size (--tensor-parallel-size) 6 must divide the model's number of KV heads 4"),
+        (4, 2, 4, None),
+    ],
+)
+def test_check_tensor_parallel(heads: int, kv_heads: int, tp: int, message: str | None) -> None:
+    spec = _spec(heads, kv_heads, intermediate=48)
+    if message is None:
+        check_tensor_parallel(spec, tp)
+    else:
+        with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            check_tensor_parallel(spec, tp)
