@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from pathlib import Path
 
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
@@ -23,6 +24,7 @@ from folio.model.hf_loader import iter_safetensors_weights, read_hf_spec
 from folio.model.llama import LlamaForCausalLM
 from folio.model.registry import get_model_class
 from folio.model.spec import ModelSpec
+from folio.model.tokenizer_cache import default_tokenizer_cache_dir, load_cached_tokenizer
 
 __all__ = ["ModelSpec", "default_model_path", "load_model", "load_tokenizer", "read_model_spec"]
 
@@ -110,11 +112,19 @@ def _materialize_empty(model: torch.nn.Module, dtype: torch.dtype, device: torch
             setattr(module, name, torch.nn.Parameter(empty, requires_grad=False))
 
 
-def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
-    """The tokenizer of a GGUF file (built from its embedded vocabulary) or of a Hugging Face directory."""
+def load_tokenizer(path: str, cache_dir: Path | None = None) -> PreTrainedTokenizerBase:
+    """The tokenizer of a GGUF file (built from its embedded vocabulary) or of a Hugging Face directory.
+
+    A GGUF's converted tokenizer is kept under ``cache_dir`` (default: ~/.cache/folio/tokenizers), keyed by the
+    file's header, so only the first start pays the conversion (folio/model/tokenizer_cache.py).
+    """
     _check_exists(path)
     if os.path.isdir(path):
         return AutoTokenizer.from_pretrained(path)
-    open_gguf(path)  # a clear error for a file that is not GGUF, before transformers tries
+    gguf = open_gguf(path)  # a clear error for a file that is not GGUF, before transformers tries
     directory, filename = os.path.split(os.path.abspath(path))
-    return AutoTokenizer.from_pretrained(directory, gguf_file=filename)
+    return load_cached_tokenizer(
+        gguf,
+        lambda: AutoTokenizer.from_pretrained(directory, gguf_file=filename),
+        cache_dir or default_tokenizer_cache_dir(),
+    )
