@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -68,10 +69,12 @@ def load_model(
     enforce_eager: bool = False,
     cpu_kernels: CpuKernels | None = None,
     cpu_kv_prefetch_bytes: int | None = None,
+    before_each_tensor: Callable[[], None] | None = None,
 ) -> tuple[LlamaForCausalLM, ModelSpec]:
     """Builds the model for ``path`` and fills its weights. attn_backend defaults to the one chosen for device.
     On the CPU, ``cpu_kernels`` (default: this CPU's best tier) says which kernels run: the weights are packed
     for the plan's GEMM and, unless enforce_eager, the decoder layers run fused (folio/model/cpu_binding.py).
+    ``before_each_tensor`` runs before each checkpoint tensor is read (the worker's thread governor).
 
     Raises FileNotFoundError / ValueError naming the path for a missing or malformed checkpoint, an
     unsupported architecture, or missing tensors.
@@ -85,6 +88,8 @@ def load_model(
         gguf = open_gguf(path)
         spec = read_gguf_spec(gguf)
         weights = iter_gguf_weights(gguf, spec, show_progress)
+    if before_each_tensor is not None:
+        weights = _calling_before_each(before_each_tensor, weights)
     model_class = get_model_class(spec.architecture)
     if cpu_kernels is None and device.type == "cpu" and dtype in CPU_KERNEL_DTYPES:
         cpu_kernels = load_cpu_kernels(None, dtype)
@@ -98,6 +103,17 @@ def load_model(
     if cpu_kernels is not None and device.type == "cpu":
         prepare_for_cpu(model, cpu_kernels, enforce_eager, cpu_kv_prefetch_bytes)
     return model.eval(), spec
+
+
+def _calling_before_each(
+    hook: Callable[[], None], weights: Iterator[tuple[str, torch.Tensor]]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    while True:
+        hook()
+        item = next(weights, None)
+        if item is None:
+            return
+        yield item
 
 
 def _materialize_empty(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> None:
