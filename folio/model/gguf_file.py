@@ -54,6 +54,7 @@ class GGUFFile:
     metadata: dict[str, object]
     tensors: dict[str, GGUFTensorInfo]
     mmap: np.ndarray  # uint8 view of the whole file, copy-on-write so torch can wrap slices without warnings
+    data_offset: int  # where the tensor data starts: bytes before it are the header (metadata, tensor infos)
 
     def tensor_bytes(self, info: GGUFTensorInfo) -> np.ndarray:
         """The raw bytes of one tensor, shaped [rows, bytes per row] (rows = all but the innermost dim)."""
@@ -136,7 +137,7 @@ def open_gguf(path: str) -> GGUFFile:
             )
         tensors[name] = info
     mapped = np.memmap(path, dtype=np.uint8, mode="c")
-    return GGUFFile(path=path, metadata=metadata, tensors=tensors, mmap=mapped)
+    return GGUFFile(path=path, metadata=metadata, tensors=tensors, mmap=mapped, data_offset=data_offset)
 
 
 _RawTensorInfo = tuple[str, list[int], int, int]  # name, dims (innermost first), ggml type id, relative offset

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
@@ -24,6 +25,7 @@ from folio.model.hf_loader import iter_safetensors_weights, read_hf_spec
 from folio.model.llama import LlamaForCausalLM
 from folio.model.registry import get_model_class
 from folio.model.spec import ModelSpec
+from folio.model.tokenizer_cache import default_tokenizer_cache_dir, load_cached_tokenizer
 
 __all__ = ["ModelSpec", "default_model_path", "load_model", "load_tokenizer", "read_model_spec"]
 
@@ -68,10 +70,12 @@ def load_model(
     cpu_kernels: CpuKernels | None = None,
     cpu_kv_prefetch_bytes: int | None = None,
     shard_model: Callable[[LlamaForCausalLM], None] | None = None,
+    before_each_tensor: Callable[[], None] | None = None,
 ) -> tuple[LlamaForCausalLM, ModelSpec]:
     """Builds the model for ``path`` and fills its weights. attn_backend defaults to the one chosen for device.
     On the CPU, ``cpu_kernels`` (default: this CPU's best tier) says which kernels run: the weights are packed
     for the plan's GEMM and, unless enforce_eager, the decoder layers run fused (folio/model/cpu_binding.py).
+    ``before_each_tensor`` runs before each checkpoint tensor is read (the worker's thread governor).
 
     Raises FileNotFoundError / ValueError naming the path for a missing or malformed checkpoint, an
     unsupported architecture, or missing tensors. ``shard_model`` (tensor parallelism) runs on the loaded weights,
@@ -86,6 +90,8 @@ def load_model(
         gguf = open_gguf(path)
         spec = read_gguf_spec(gguf)
         weights = iter_gguf_weights(gguf, spec, show_progress)
+    if before_each_tensor is not None:
+        weights = _calling_before_each(before_each_tensor, weights)
     model_class = get_model_class(spec.architecture)
     if cpu_kernels is None and device.type == "cpu" and dtype in CPU_KERNEL_DTYPES:
         cpu_kernels = load_cpu_kernels(None, dtype)
@@ -103,6 +109,17 @@ def load_model(
     return model.eval(), spec
 
 
+def _calling_before_each(
+    hook: Callable[[], None], weights: Iterator[tuple[str, torch.Tensor]]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    while True:
+        hook()
+        item = next(weights, None)
+        if item is None:
+            return
+        yield item
+
+
 def _materialize_empty(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> None:
     """Replaces every meta parameter with an uninitialized one on device; floating params take dtype.
 
@@ -115,11 +132,19 @@ def _materialize_empty(model: torch.nn.Module, dtype: torch.dtype, device: torch
             setattr(module, name, torch.nn.Parameter(empty, requires_grad=False))
 
 
-def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
-    """The tokenizer of a GGUF file (built from its embedded vocabulary) or of a Hugging Face directory."""
+def load_tokenizer(path: str, cache_dir: Path | None = None) -> PreTrainedTokenizerBase:
+    """The tokenizer of a GGUF file (built from its embedded vocabulary) or of a Hugging Face directory.
+
+    A GGUF's converted tokenizer is kept under ``cache_dir`` (default: ~/.cache/folio/tokenizers), keyed by the
+    file's header, so only the first start pays the conversion (folio/model/tokenizer_cache.py).
+    """
     _check_exists(path)
     if os.path.isdir(path):
         return AutoTokenizer.from_pretrained(path)
-    open_gguf(path)  # a clear error for a file that is not GGUF, before transformers tries
+    gguf = open_gguf(path)  # a clear error for a file that is not GGUF, before transformers tries
     directory, filename = os.path.split(os.path.abspath(path))
-    return AutoTokenizer.from_pretrained(directory, gguf_file=filename)
+    return load_cached_tokenizer(
+        gguf,
+        lambda: AutoTokenizer.from_pretrained(directory, gguf_file=filename),
+        cache_dir or default_tokenizer_cache_dir(),
+    )

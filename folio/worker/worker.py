@@ -102,6 +102,11 @@ class Worker:
             torch.cuda.set_device(self.device)  # Triton launches and graph capture use the current device
         torch.manual_seed(config.model_config.seed)
         self.cpu_kernels: CpuKernels | None = None
+        # One governor from the start: loading (dequantize, pack, zero the KV cache) is OpenMP regions too, and on
+        # cores another process takes, every one of them waits for a descheduled thread (a 1 s load took minutes).
+        adaptive = self.device.type == "cpu" and config.cpu_config.adaptive_threads
+        self._threads = CpuThreadGovernor(torch.get_num_threads()) if adaptive else None
+        self._threads_logged: int | None = None
         self.model, self.spec = self._load()
         self.kv_shape = self._kv_shape(self.model, self.spec)
         # The draft model (speculative_config method "draft_model") before sizing: its K/V share each block.
@@ -146,9 +151,6 @@ class Worker:
             self.model_runner.kv_disk = self._open_disk_tier(self.model_runner.kv_transfer)
         if self._wants_decode_graphs():
             self._capture_decode_graphs(num_blocks * config.cache_config.block_size)
-        adaptive = self.device.type == "cpu" and config.cpu_config.adaptive_threads
-        self._threads = CpuThreadGovernor(torch.get_num_threads()) if adaptive else None
-        self._threads_logged: int | None = None
 
     def _kv_shape(self, model: LlamaForCausalLM | NoopCausalLM, spec: ModelSpec) -> KVCacheShape:
         return KVCacheShape(
@@ -282,6 +284,7 @@ class Worker:
             cpu_kv_prefetch_bytes=self.config.cpu_config.kv_prefetch_bytes,
             shard_model=functools.partial(apply_tensor_parallel, group=self.group) if tensor_parallel else None,
             show_progress=self.group.rank == 0,
+            before_each_tensor=self._govern_threads if self._threads is not None else None,
         )
         return model, spec
 
@@ -359,6 +362,11 @@ class Worker:
         logger.info("Maximum concurrency for %d tokens per request: %.2fx", max_len, num_tokens / max_len)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self._govern_threads()
+        return self.model_runner.execute_model(scheduler_output)
+
+    def _govern_threads(self) -> None:
+        """Before each step (and each tensor loaded): the governor's thread count for the CPU kernels."""
         if self._threads is not None and (threads := self._threads.threads_for_step()) != torch.get_num_threads():
             # a probe every few seconds under a lasting neighbour: only the first drop is worth a line at INFO
             first = threads < self._threads.max_threads and self._threads_logged != threads
@@ -367,7 +375,6 @@ class Worker:
             )
             self._threads_logged = threads if first else self._threads_logged
             torch.set_num_threads(threads)
-        return self.model_runner.execute_model(scheduler_output)
 
 
 def profile_prefill_lens(num_tokens: int, max_model_len: int) -> list[int]:

@@ -35,7 +35,10 @@ def _memoized_loading() -> Iterator[None]:
     def load_model_once(path: str, dtype: torch.dtype, device: torch.device, **kwargs: Any) -> Any:
         return original_load_model(path, dtype, device, **kwargs)
 
-    mp.setattr(worker_module, "load_model", load_model_once)
+    def load_model_memo(*args: Any, before_each_tensor: Any = None, **kwargs: Any) -> Any:
+        return load_model_once(*args, **kwargs)  # the hook is per worker (its thread governor): not in the key
+
+    mp.setattr(worker_module, "load_model", load_model_memo)
     mp.setattr(llm_engine_module, "load_tokenizer", functools.cache(llm_engine_module.load_tokenizer))
     yield
     mp.undo()

@@ -106,7 +106,9 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory, tokenizer: Any) -> tup
 def test_a_directory_written_by_another_model_is_never_read(tmp_path: Path, tiny_models: tuple[str, str]) -> None:
     model_a, model_b = tiny_models
     disk = tmp_path / "kv"
-    common = ["--max-model-len", "256", "--max-num-seqs", "1", *_disk_args(disk, "0.001", "0.01")]
+    # 64 device blocks, not the 512 MiB of TEST_KV_BYTES (65536 of the tiny model's 8 KiB blocks to build and zero)
+    common = ["--max-model-len", "256", "--max-num-seqs", "1", "--num-gpu-blocks-override", "64"]
+    common += _disk_args(disk, "0.001", "0.01")
 
     def serve(model: str, name: str) -> ServerProcess:
         return start_server(tmp_path, name, ["--model", model, *common])
