@@ -144,10 +144,6 @@ class ParallelConfig:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.pipeline_parallel_size < 1:
             raise ValueError(f"{PP_FLAG} must be >= 1, got {self.pipeline_parallel_size}")
-        if self.pipeline_parallel_size > 1 and self.tensor_parallel_size > 1:
-            raise ValueError(
-                f"{PP_FLAG} > 1 with tensor_parallel_size > 1 is not implemented yet: set one of them to 1"
-            )
         if self.distributed_executor_backend is None:
             self.distributed_executor_backend = "uni" if self.world_size == 1 else "mp"
         if self.distributed_executor_backend not in DISTRIBUTED_EXECUTOR_BACKENDS:

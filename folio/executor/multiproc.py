@@ -196,8 +196,10 @@ def check_parallel_start(config: EngineConfig) -> None:
 
         num_gpus = torch.cuda.device_count()
         if world_size > num_gpus:
-            flag = "tensor_parallel_size (--tensor-parallel-size)" if pp == 1 else PP_FLAG
-            raise ValueError(f"{flag} {tp if pp == 1 else pp} needs one GPU per rank; this machine has {num_gpus}")
+            setting = f"tensor_parallel_size (--tensor-parallel-size) {tp}" if pp == 1 else f"{PP_FLAG} {pp}"
+            if tp > 1 and pp > 1:
+                setting = f"tensor_parallel_size x pipeline_parallel_size ({tp} x {pp} = {world_size} ranks)"
+            raise ValueError(f"{setting} needs one GPU per rank; this machine has {num_gpus}")
 
 
 def _allow_children() -> None:

@@ -55,7 +55,8 @@ def run_worker(config: EngineConfig, rank: int, world_size: int, port: int, sche
         device_type = resolve_device(config.device).type
         stage = None
         if pp_size > 1:
-            group, stage = init_pipeline_ranks(rank, world_size, pp_size, port, device_type)
+            tp_size = config.parallel_config.tensor_parallel_size
+            group, stage = init_pipeline_ranks(rank, tp_size, pp_size, port, device_type)
         else:
             group = init_rank_group(rank, world_size, port, device_type) if world_size > 1 else RankGroup(0, 1)
         worker = Worker(config, group, stage)

@@ -10,7 +10,10 @@ The message is one [2, T, hidden] tensor (the layer output and the residual stre
 left to the next layer's norm, llama.py's layout). Every stage knows T from its own copy of the step, so nothing
 but the activations crosses. Sends are asynchronous (a gloo send waits until the peer posts its receive), so a
 stage can start its next micro-batch while the next stage still works on this one (the engine core keeps up to
-pp batches in flight: folio/engine/batch_queue.py). The model code (llama.py) knows none of this.
+pp batches in flight: folio/engine/batch_queue.py). With tensor parallelism too (tp * pp ranks), each stage is tp
+ranks that split its layers (folio/parallel/tensor_parallel.py, applied first), and tensor-parallel rank i of a
+stage sends to rank i of the next (each holds the whole activations after its all-reduces). The model code
+(llama.py) knows none of this.
 """
 
 from __future__ import annotations
@@ -28,14 +31,17 @@ from folio.model.layers.linear import Linear
 from folio.model.llama import LlamaForCausalLM, LlamaModel
 from folio.parallel.group import RankGroup, init_rank_group
 from folio.parallel.stages import stage_layer_range
+from folio.parallel.tensor_parallel import TensorParallelLlamaForCausalLM
 
 
 @dataclass
 class PipelineStage:
-    """This rank's place in the pipeline (tp = 1: rank == pp_rank) and the channel to its neighbours."""
+    """This rank's place in the pipeline and the channel to its neighbours: the ranks of the same tensor-parallel
+    rank in the previous and next stages (rank -+ tp; every rank of a stage holds the whole activations)."""
 
     pp_rank: int
     pp_size: int
+    tp_size: int
     world: RankGroup  # every rank of the engine (the KV block count is agreed over all of them)
     _pending_send: tuple[Any, torch.Tensor] | None = field(default=None, repr=False)
 
@@ -52,7 +58,7 @@ class PipelineStage:
         for first (one in flight: they reach the peer in order, and the buffer lives until sent)."""
         self.wait_sent()
         message = torch.stack([hidden, residual])
-        work = dist.isend(message, self.pp_rank + 1, group=self.world.group)
+        work = dist.isend(message, self.world.rank + self.tp_size, group=self.world.group)
         self._pending_send = (work, message)
 
     def recv_activations(
@@ -60,7 +66,7 @@ class PipelineStage:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(hidden, residual), each [T, hidden], from the previous stage (blocks until they arrive)."""
         message = torch.empty((2, num_tokens, hidden_size), dtype=dtype, device=device)
-        dist.recv(message, self.pp_rank - 1, group=self.world.group)
+        dist.recv(message, self.world.rank - self.tp_size, group=self.world.group)
         return message[0], message[1]
 
     def wait_sent(self) -> None:
@@ -70,12 +76,19 @@ class PipelineStage:
 
 
 def init_pipeline_ranks(
-    rank: int, world_size: int, pp_size: int, port: int, device_type: str
+    rank: int, tp_size: int, pp_size: int, port: int, device_type: str
 ) -> tuple[RankGroup, PipelineStage]:
-    """Joins the engine's group of world_size ranks as stage ``rank`` (tensor parallelism within a stage is not
-    done yet: tp = 1, so the tensor-parallel group is this rank alone)."""
-    world = init_rank_group(rank, world_size, port, device_type)
-    return RankGroup(0, 1), PipelineStage(rank, pp_size, world)
+    """Joins the engine's group of tp * pp ranks, then its stage's tensor-parallel group (rank = pp_rank * tp +
+    tp_rank: folio/parallel/stages.py). Every rank creates every stage's group, in order (torch.distributed's rule)."""
+    world = init_rank_group(rank, tp_size * pp_size, port, device_type)
+    pp_rank, tp_rank = divmod(rank, tp_size)
+    tp_group = RankGroup(0, 1)
+    if tp_size > 1:
+        for stage in range(pp_size):
+            group = dist.new_group(list(range(stage * tp_size, (stage + 1) * tp_size)))
+            if stage == pp_rank:
+                tp_group = RankGroup(tp_rank, tp_size, group)
+    return tp_group, PipelineStage(pp_rank, pp_size, tp_size, world)
 
 
 class PipelineStageLlamaModel(LlamaModel):
@@ -130,10 +143,15 @@ class PipelineStageLlamaForCausalLM(LlamaForCausalLM):
             module.adopt_packed(packed_weight)
 
 
+class PipelineStageTensorParallelLlamaForCausalLM(PipelineStageLlamaForCausalLM, TensorParallelLlamaForCausalLM):
+    """A stage of a tensor-parallel model (both passes applied). Never constructed."""
+
+
 def apply_pipeline_parallel(model: LlamaForCausalLM, stage: PipelineStage) -> None:
     """Keeps stage ``stage.pp_rank``'s layers: the embedding on the first stage (and on the last where the LM head
-    is the tied embedding), the final norm and the LM head on the last. Call after the weights are loaded and
-    before the CPU packing; the dropped layers' weights are freed with the modules."""
+    is the tied embedding), the final norm and the LM head on the last. Call after the weights are loaded (and
+    after the tensor-parallel pass, if any) and before the CPU packing; the dropped layers' weights are freed with
+    the modules."""
     inner = model.model
     start, end = stage_layer_range(len(inner.layers), stage.pp_rank, stage.pp_size)
     inner.layers = torch.nn.ModuleList(list(inner.layers)[start:end])
@@ -145,7 +163,12 @@ def apply_pipeline_parallel(model: LlamaForCausalLM, stage: PipelineStage) -> No
         model.lm_head = None  # never read: only the last stage computes logits
     weight = next(inner.layers.parameters())  # the model's dtype and device
     inner.__class__ = PipelineStageLlamaModel
-    model.__class__ = PipelineStageLlamaForCausalLM
+    # after the tensor-parallel pass the model keeps its vocab-parallel logits and arg-max
+    model.__class__ = (
+        PipelineStageTensorParallelLlamaForCausalLM
+        if isinstance(model, TensorParallelLlamaForCausalLM)
+        else PipelineStageLlamaForCausalLM
+    )
     assert isinstance(inner, PipelineStageLlamaModel) and isinstance(model, PipelineStageLlamaForCausalLM)
     inner.pp_stage, inner.pp_layer_range, inner.pp_hidden_size = stage, (start, end), model.spec.hidden_size
     inner.pp_dtype, inner.pp_device = weight.dtype, weight.device

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import time
@@ -279,10 +278,6 @@ class Worker:
         logger.info("Loading %s as %s on %s", self.config.model_config.model, self.dtype, self.device)
         model_config = self.config.model_config
         self.cpu_kernels = self._cpu_kernels()  # the draft model's too
-        tensor_parallel = self.group.world_size > 1
-        shard_model = functools.partial(apply_tensor_parallel, group=self.group) if tensor_parallel else None
-        if self.stage is not None:
-            shard_model = functools.partial(apply_pipeline_parallel, stage=self.stage)
         model, spec = load_model(
             model_config.model,
             self.dtype,
@@ -292,10 +287,17 @@ class Worker:
             enforce_eager=model_config.enforce_eager or self.world.world_size > 1,
             cpu_kernels=self.cpu_kernels,
             cpu_kv_prefetch_bytes=self.config.cpu_config.kv_prefetch_bytes,
-            shard_model=shard_model,
+            shard_model=self._shard if self.world.world_size > 1 else None,
             show_progress=self.world.rank == 0,
         )
         return model, spec
+
+    def _shard(self, model: LlamaForCausalLM) -> None:
+        """This rank's part of the loaded model: its tensor-parallel slice, then its pipeline stage's layers."""
+        if self.group.world_size > 1:
+            apply_tensor_parallel(model, self.group)
+        if self.stage is not None:
+            apply_pipeline_parallel(model, self.stage)
 
     def _cpu_kernels(self) -> CpuKernels | None:
         """On the CPU, the kernels of the --cpu-isa tier for the model's dtype; logs the tier and the plan."""
