@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from folio.kernels.isa import IsaTier, cpu_info, is_x86_64, resolve_cpu_isa
+from folio.parallel.stages import PP_FLAG
 from folio.spec_decode.config import SpeculativeConfig
 
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -136,10 +137,13 @@ class ParallelConfig:
     # "uni": the worker in the engine core's process (one rank only); "mp": one worker process per rank
     # (folio/executor/multiproc.py). None: "uni" for one rank, "mp" above.
     distributed_executor_backend: str | None = None
+    pipeline_parallel_size: int = 1  # stages of contiguous layers (folio/parallel/pipeline_parallel.py)
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.pipeline_parallel_size < 1:
+            raise ValueError(f"{PP_FLAG} must be >= 1, got {self.pipeline_parallel_size}")
         if self.distributed_executor_backend is None:
             self.distributed_executor_backend = "uni" if self.world_size == 1 else "mp"
         if self.distributed_executor_backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
@@ -148,14 +152,13 @@ class ParallelConfig:
                 f"got {self.distributed_executor_backend!r}"
             )
         if self.distributed_executor_backend == "uni" and self.world_size > 1:
-            raise ValueError(
-                f"distributed_executor_backend 'uni' runs one rank; tensor_parallel_size {self.tensor_parallel_size} "
-                "needs 'mp'"
-            )
+            flag = "tensor_parallel_size" if self.pipeline_parallel_size == 1 else "pipeline_parallel_size"
+            size = self.tensor_parallel_size if self.pipeline_parallel_size == 1 else self.pipeline_parallel_size
+            raise ValueError(f"distributed_executor_backend 'uni' runs one rank; {flag} {size} needs 'mp'")
 
     @property
     def world_size(self) -> int:
-        return self.tensor_parallel_size
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
 STRUCTURED_OUTPUTS_BACKENDS = ("auto", "guidance", "xgrammar")
@@ -240,6 +243,7 @@ class EngineArgs:
     speculative_config: SpeculativeConfig | dict[str, object] | None = None
     tensor_parallel_size: int = 1  # ranks that split every layer (folio/parallel/tensor_parallel.py)
     distributed_executor_backend: str | None = None  # "uni" or "mp"; None: "uni" for one rank, "mp" above
+    pipeline_parallel_size: int = 1  # stages of contiguous layers, one rank each (folio/parallel/pipeline_parallel.py)
 
     def _check_draft_model_combinations(self) -> None:
         """The host / disk KV tiers keep the target's K/V only (a draft's would be lost), the no-op model no K/V."""
@@ -252,6 +256,14 @@ class EngineArgs:
                 "speculative_config.method 'draft_model' with tensor_parallel_size > 1 is not implemented yet: "
                 "the draft model is not sharded"
             )
+
+    def _check_pipeline_combinations(self, speculative: bool) -> None:
+        """What pipeline parallelism does not run yet: drafts (the stages before the last never see the verdict),
+        the no-op model (it has no layers to split)."""
+        if speculative:
+            raise ValueError(f"speculative_config with {PP_FLAG} > 1 is not implemented yet")
+        if self.model_impl == "noop":
+            raise ValueError(f"model_impl 'noop' with {PP_FLAG} > 1 is not supported: it has no layers to split")
 
     def create_engine_config(self, model_path: str, model_max_len: int) -> EngineConfig:
         """Resolve defaults that depend on the model; ``model_max_len`` is the model's context length."""
@@ -275,9 +287,14 @@ class EngineArgs:
             self._check_draft_model_combinations()
         if self.preemption_mode == "swap" and self.kv_offloading_size == 0:
             raise ValueError("preemption_mode 'swap' needs a host KV tier: set kv_offloading_size (GiB) > 0")
-        parallel_config = ParallelConfig(self.tensor_parallel_size, self.distributed_executor_backend)
+        parallel_config = ParallelConfig(
+            self.tensor_parallel_size, self.distributed_executor_backend, self.pipeline_parallel_size
+        )
         if parallel_config.world_size > 1 and self.kv_offloading_size > 0:
-            raise ValueError("kv_offloading_size with tensor_parallel_size > 1 is not supported yet: set one of them")
+            flag = "tensor_parallel_size" if self.pipeline_parallel_size == 1 else "pipeline_parallel_size"
+            raise ValueError(f"kv_offloading_size with {flag} > 1 is not supported yet: set one of them")
+        if self.pipeline_parallel_size > 1:
+            self._check_pipeline_combinations(speculative_config is not None)
         return EngineConfig(
             model_config=ModelConfig(
                 model=model_path,

@@ -157,6 +157,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "machine's cores, on CUDA one GPU each); it must divide the model's attention heads (default 1)",
     )
     g.add_argument(
+        "--pipeline-parallel-size",
+        "-pp",
+        type=int,
+        default=d.pipeline_parallel_size,
+        help="stages of contiguous layers, one worker process each, activations sent from stage to stage; up to "
+        "that many batches in flight so that the stages overlap; at most the model's number of layers (default 1)",
+    )
+    g.add_argument(
         "--distributed-executor-backend",
         default=d.distributed_executor_backend,
         choices=DISTRIBUTED_EXECUTOR_BACKENDS,

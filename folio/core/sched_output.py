@@ -40,6 +40,9 @@ class CachedRequestData:
     # req_id -> length the block table is cut to before new_block_ids are appended (blocks that held only rejected
     # drafts' slots were freed: docs/speculative_decoding.md); absent for the others.
     num_kept_block_ids: dict[str, int] = field(default_factory=dict)
+    # Pipeline parallelism only (else empty): the token ids at this step's positions, indexed like req_ids (vLLM's
+    # name). The stages before the last never sample, so they learn the sampled tokens from here.
+    new_token_ids: list[list[int]] = field(default_factory=list)
 
     @property
     def num_reqs(self) -> int:

@@ -131,13 +131,14 @@ class Scheduler:
 
     # ---------------------------------------------------------------- schedule
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, max_num_reqs: int | None = None) -> SchedulerOutput:
         """Decide this step's tokens; see the module docstring for the rule and the num_computed_tokens convention.
 
         When a running request cannot get blocks, running requests are preempted (policy's victim) until it can,
-        and no waiting request is admitted in that step (blocks are short).
+        and no waiting request is admitted in that step (blocks are short). ``max_num_reqs`` caps the requests in
+        this step (the pipeline-parallel batch queue spreads the requests over its batches in flight).
         """
-        plan = StepPlan(token_budget=self.scheduler_config.max_num_batched_tokens)
+        plan = StepPlan(token_budget=self.scheduler_config.max_num_batched_tokens, max_num_reqs=max_num_reqs)
         self._schedule_running(plan)
         if not plan.preempted_req_ids:
             self._schedule_waiting(plan)
@@ -155,7 +156,7 @@ class Scheduler:
 
     def _schedule_running(self, plan: StepPlan) -> None:
         index = 0
-        while index < len(self.running) and plan.token_budget > 0:
+        while index < len(self.running) and plan.token_budget > 0 and not plan.is_full:
             request = self.running[index]
             num_new_tokens = self._num_tokens_to_schedule(request, request.num_computed_tokens, plan.token_budget)
             if num_new_tokens == 0:
@@ -204,7 +205,10 @@ class Scheduler:
         """Admit waiting requests in policy order; the first that cannot get blocks stops admission (no skipping,
         so a large request is not starved by smaller ones behind it)."""
         while (
-            len(self.waiting) > 0 and plan.token_budget > 0 and len(self.running) < self.scheduler_config.max_num_seqs
+            len(self.waiting) > 0
+            and plan.token_budget > 0
+            and len(self.running) < self.scheduler_config.max_num_seqs
+            and not plan.is_full
         ):
             request = self.waiting.peek()
             # num_hit_tokens: prefix hits (both tiers), or a swapped-out request's kept num_computed_tokens.

@@ -14,10 +14,16 @@ class StepPlan:
     preempted after it was scheduled in the same step can be taken out again."""
 
     token_budget: int
+    max_num_reqs: int | None = None  # at most this many requests in the step (None: no cap beyond max_num_seqs)
     scheduled: dict[str, Request] = field(default_factory=dict)  # in scheduling order
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     allocations: dict[str, AllocationResult] = field(default_factory=dict)
     preempted_req_ids: set[str] = field(default_factory=set)
+
+    @property
+    def is_full(self) -> bool:
+        """No more requests fit the step (its max_num_reqs is reached)."""
+        return self.max_num_reqs is not None and len(self.scheduled) >= self.max_num_reqs
 
     def add(self, request: Request, num_new_tokens: int, allocation: AllocationResult) -> None:
         """Schedule ``num_new_tokens`` of ``request`` out of the budget (after its blocks were allocated)."""

@@ -10,15 +10,14 @@ from typing import Any
 
 from folio.config import EngineConfig
 from folio.core.kv_cache_manager import KVCacheManager
-from folio.core.sched_output import EngineCoreOutput, SchedulerOutput
+from folio.core.sched_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from folio.core.scheduler import Scheduler, SchedulerStats
 from folio.core.spec_decode import Lookahead
+from folio.engine.batch_queue import BatchQueue, attach_scheduled_token_ids
 from folio.executor import Executor
 from folio.request import FinishReason, Request
 from folio.step_timer import SCHEDULE, UPDATE_FROM_OUTPUT, StepTimer
 from folio.structured.manager import StructuredOutputManager
-
-logger = logging.getLogger("folio")
 
 logger = logging.getLogger("folio")
 
@@ -46,6 +45,11 @@ class EngineCore:
             lookahead=Lookahead.for_config(config.speculative_config, config.scheduler_config.max_model_len),
         )
         self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager)
+        # pipeline parallelism: the stages that do not sample get the sampled tokens with the next step
+        self.pipeline = config.parallel_config.pipeline_parallel_size > 1
+        # up to pp batches in flight so that the stages overlap (folio/engine/batch_queue.py); None: one at a time
+        max_batches = executor.max_concurrent_batches
+        self.batch_queue = BatchQueue(max_batches) if max_batches > 1 else None
         self.step_timer: StepTimer | None = None  # set only by profiling benchmarks (folio.step_timer)
         self.structured_output_manager = StructuredOutputManager(
             config.structured_outputs_config.backend,
@@ -67,7 +71,9 @@ class EngineCore:
         self.scheduler.abort_requests(request_ids)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or self.structured_output_manager.num_waiting > 0
+        """Batches still in flight count too (their outputs are read before the engine goes idle)."""
+        in_flight = self.batch_queue is not None and len(self.batch_queue) > 0
+        return self.scheduler.has_unfinished_requests() or self.structured_output_manager.num_waiting > 0 or in_flight
 
     def get_stats(self) -> SchedulerStats:
         """The scheduler's snapshot; requests waiting for their grammar count as waiting."""
@@ -78,22 +84,33 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         structured = self.structured_output_manager
         failed = self._admit_compiled_requests() if structured.num_waiting else []
+        if self.batch_queue is not None:
+            return failed + self.batch_queue.step(self)
         if not self.scheduler.has_unfinished_requests():
             return failed
         timer = self.step_timer
         scheduler_output = self.scheduler.schedule()
         structured.fill_bitmask(self.scheduler.requests, scheduler_output)
+        if self.pipeline:
+            attach_scheduled_token_ids(scheduler_output, self.scheduler.requests)
         if timer is not None:
             timer.lap(SCHEDULE)
             timer.set_batch(len(scheduler_output.num_scheduled_tokens), scheduler_output.total_num_scheduled_tokens)
         runner_output = self.executor.execute_model(scheduler_output)
+        return failed + self.finish_step(scheduler_output, runner_output)
+
+    def finish_step(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """The scheduler takes a step's output; the grammars advance by the accepted tokens."""
+        structured, timer = self.structured_output_manager, self.step_timer
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         if structured.matchers:
             self._abort_grammar_violations(outputs, structured.accept(outputs))
             structured.validate_drafts(self.scheduler.requests)  # only drafts the grammar accepts are scheduled
         if timer is not None:
             timer.lap(UPDATE_FROM_OUTPUT)
-        return failed + outputs
+        return outputs
 
     def _admit_compiled_requests(self) -> list[EngineCoreOutput]:
         """Requests whose grammar is ready go to the scheduler; those whose grammar failed to compile finish

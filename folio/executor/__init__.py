@@ -17,7 +17,20 @@ class Executor(Protocol):
 
     def set_step_timer(self, timer: StepTimer | None) -> None: ...
 
+    @property
+    def max_concurrent_batches(self) -> int:
+        """How many steps may be in flight at once (pipeline parallelism: one per stage)."""
+        ...
+
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+    def submit(self, scheduler_output: SchedulerOutput) -> None:
+        """Starts a step without waiting for it (folio/engine/batch_queue.py)."""
+        ...
+
+    def collect(self) -> ModelRunnerOutput:
+        """The output of the oldest step submitted and not yet collected (waits for it)."""
+        ...
 
     def shutdown(self) -> None: ...
 

@@ -1,8 +1,11 @@
 """MultiProcExecutor: one worker process per rank (folio/executor/worker_proc.py), started by the engine core.
 
-Each step the SchedulerOutput is pickled once and the same bytes go down every rank's pipe; rank 0 (the driver)
-sends the ModelRunnerOutput back. The other ranks only take part in the collectives inside the forward pass and
-sample the same tokens from the same gathered numbers, so their copies of the requests stay the same.
+Each step the SchedulerOutput is pickled once and the same bytes go down every rank's pipe; one rank (the driver:
+rank 0, or with pipeline parallelism the last stage's first rank) sends the ModelRunnerOutput back. Under tensor
+parallelism the other ranks only take part in the collectives inside the forward pass and sample the same tokens
+from the same gathered numbers, so their copies of the requests stay the same; pipeline stages before the last do
+not sample and learn the tokens from the next SchedulerOutput (CachedRequestData.new_token_ids). Steps may be
+submitted before the previous one is answered (pipeline parallelism: up to pp in flight); outputs come in order.
 Every wait on the workers also waits on their process sentinels: a worker that dies (killed, crashed, or failed
 with its error reported) is an engine error at once, never a hang; the executor then stops the other ranks.
 Why pipes: one pickled decode step of 256 requests is a few KiB, and a pipe round trip costs tens of
@@ -25,6 +28,7 @@ from folio.config import EngineConfig
 from folio.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from folio.executor.worker_proc import WorkerFailed, WorkerReady, run_worker
 from folio.model.spec import ModelSpec
+from folio.parallel.stages import PP_FLAG, check_pipeline_parallel, output_rank
 from folio.step_timer import StepTimer
 
 logger = logging.getLogger("folio")
@@ -35,7 +39,10 @@ _STOP_TIMEOUT_S = 5.0
 
 class MultiProcExecutor:
     def __init__(self, config: EngineConfig) -> None:
-        self.world_size = config.parallel_config.world_size
+        parallel = config.parallel_config
+        self.world_size = parallel.world_size
+        self.pipeline_parallel_size = parallel.pipeline_parallel_size
+        self.output_rank = output_rank(parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
         check_parallel_start(config)
         _allow_children()
         ctx = multiprocessing.get_context("spawn")
@@ -77,7 +84,17 @@ class MultiProcExecutor:
     def set_step_timer(self, timer: StepTimer | None) -> None:
         """The step's phases run in the worker processes: no per-phase timings here."""
 
+    @property
+    def max_concurrent_batches(self) -> int:
+        """Pipeline parallelism: one batch per stage in flight, so that every stage has work (vLLM's rule)."""
+        return self.pipeline_parallel_size
+
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self.submit(scheduler_output)
+        return self.collect()
+
+    def submit(self, scheduler_output: SchedulerOutput) -> None:
+        """The step's pickled SchedulerOutput down every rank's pipe; does not wait for its output."""
         if self._failure is not None:
             raise RuntimeError(self._failure)
         payload = pickle.dumps(scheduler_output, protocol=pickle.HIGHEST_PROTOCOL)
@@ -86,8 +103,13 @@ class MultiProcExecutor:
                 conn.send_bytes(payload)
             except OSError:  # its end of the pipe is closed: the process is gone
                 self._fail(self._death_message(rank))
+
+    def collect(self) -> ModelRunnerOutput:
+        """The oldest submitted step's ModelRunnerOutput (the output rank answers the steps in order)."""
+        if self._failure is not None:
+            raise RuntimeError(self._failure)
         rank, message = self._receive()
-        if rank != 0 or not isinstance(message, ModelRunnerOutput):
+        if rank != self.output_rank or not isinstance(message, ModelRunnerOutput):
             self._fail(f"worker rank {rank} sent an unexpected {type(message).__name__}")
         return message
 
@@ -138,6 +160,10 @@ class MultiProcExecutor:
             self._failure = message.message
             self.shutdown()
             raise ValueError(message.message)
+        # a rank whose peer died fails in its next collective or stage message: the death is the cause to report
+        dead = [r for r, proc in enumerate(self._procs) if r != rank and not proc.is_alive()]
+        if dead:
+            self._fail(self._death_message(dead[0]))
         self._fail(f"worker rank {rank} failed: {message.error_type}: {message.message}")
 
     def _death_message(self, rank: int) -> str:
@@ -154,23 +180,26 @@ class MultiProcExecutor:
 
 def check_parallel_start(config: EngineConfig) -> None:
     """Bad parallel settings as a ValueError naming the flag and the limit, before any process starts."""
-    world_size = config.parallel_config.world_size
+    parallel = config.parallel_config
+    world_size, tp, pp = parallel.world_size, parallel.tensor_parallel_size, parallel.pipeline_parallel_size
     if world_size == 1:
         return
     from folio.model.loader import read_model_spec
     from folio.parallel.tensor_parallel import check_tensor_parallel
     from folio.worker.worker import resolve_device
 
-    check_tensor_parallel(read_model_spec(config.model_config.model), world_size)
+    spec = read_model_spec(config.model_config.model)
+    check_tensor_parallel(spec, tp)
+    check_pipeline_parallel(spec.num_hidden_layers, pp)
     if resolve_device(config.device).type == "cuda":
         import torch
 
         num_gpus = torch.cuda.device_count()
         if world_size > num_gpus:
-            raise ValueError(
-                f"tensor_parallel_size (--tensor-parallel-size) {world_size} needs one GPU per rank; this machine "
-                f"has {num_gpus}"
-            )
+            setting = f"tensor_parallel_size (--tensor-parallel-size) {tp}" if pp == 1 else f"{PP_FLAG} {pp}"
+            if tp > 1 and pp > 1:
+                setting = f"tensor_parallel_size x pipeline_parallel_size ({tp} x {pp} = {world_size} ranks)"
+            raise ValueError(f"{setting} needs one GPU per rank; this machine has {num_gpus}")
 
 
 def _allow_children() -> None:

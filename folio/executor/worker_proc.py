@@ -1,9 +1,10 @@
 """One rank's worker process of the multiprocess executor: join the rank group, build the Worker, then run
-every SchedulerOutput the engine core sends; rank 0 alone sends each step's ModelRunnerOutput back.
+every SchedulerOutput the engine core sends; one rank alone sends each step's ModelRunnerOutput back (rank 0, or
+with pipeline parallelism the last stage's first rank, whose stage samples: folio/parallel/stages.py).
 
 Two pipes per rank: pickled SchedulerOutputs in (an empty message means stop), messages out (ready, failed,
-rank 0's outputs). The process ends when the core says so, when the core's end of the pipe closes (EOF: the
-core is gone), or on an error, which it reports before exiting non-zero.
+the output rank's ModelRunnerOutputs). The process ends when the core says so, when the core's end of the pipe
+closes (EOF: the core is gone), or on an error, which it reports before exiting non-zero.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 
 from folio.config import EngineConfig
 from folio.model.spec import ModelSpec
+from folio.parallel.stages import output_rank
 
 
 @dataclass
@@ -42,15 +44,22 @@ def run_worker(config: EngineConfig, rank: int, world_size: int, port: int, sche
 
     from folio.logger import init_logger
     from folio.parallel.group import RankGroup, init_rank_group
+    from folio.parallel.pipeline_parallel import init_pipeline_ranks
     from folio.worker.worker import Worker, resolve_device
 
     init_logger()
     # The ranks share the machine's cores (CPU) unless OMP_NUM_THREADS says otherwise for each.
     torch.set_num_threads(max(1, torch.get_num_threads() // world_size))
+    pp_size = config.parallel_config.pipeline_parallel_size
     try:
         device_type = resolve_device(config.device).type
-        group = init_rank_group(rank, world_size, port, device_type) if world_size > 1 else RankGroup(0, 1)
-        worker = Worker(config, group)
+        stage = None
+        if pp_size > 1:
+            tp_size = config.parallel_config.tensor_parallel_size
+            group, stage = init_pipeline_ranks(rank, tp_size, pp_size, port, device_type)
+        else:
+            group = init_rank_group(rank, world_size, port, device_type) if world_size > 1 else RankGroup(0, 1)
+        worker = Worker(config, group, stage)
     except Exception as e:
         _report_failure(results_out, rank, e, str(e))
         os._exit(1)
@@ -61,7 +70,7 @@ def run_worker(config: EngineConfig, rank: int, world_size: int, port: int, sche
         )
     )
     try:
-        _serve(worker, rank, sched_in, results_out)
+        _serve(worker, rank == output_rank(config.parallel_config.tensor_parallel_size, pp_size), sched_in, results_out)
     except (EOFError, BrokenPipeError, KeyboardInterrupt):
         os._exit(0)  # the core went away: nothing left to serve
     except Exception as e:
@@ -69,13 +78,13 @@ def run_worker(config: EngineConfig, rank: int, world_size: int, port: int, sche
         os._exit(1)
 
 
-def _serve(worker: Any, rank: int, sched_in: Any, results_out: Any) -> None:
+def _serve(worker: Any, sends_output: bool, sched_in: Any, results_out: Any) -> None:
     while True:
         payload = sched_in.recv_bytes()
         if not payload:
             return
         output = worker.execute_model(pickle.loads(payload))
-        if rank == 0:
+        if sends_output:
             results_out.send_bytes(pickle.dumps(output, protocol=pickle.HIGHEST_PROTOCOL))
 
 

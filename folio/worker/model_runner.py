@@ -51,6 +51,7 @@ class ModelRunner:
         self.kv_disk: DiskKVTransfer | None = None  # set by the worker when a disk tier exists under it
         self.proposer: NgramProposer | None = None  # set by the worker with an n-gram speculative_config
         self.draft_runner: DraftModelRunner | None = None  # set by the worker with a draft-model one
+        self.is_last_stage = True  # False on a pipeline stage before the last: it runs its layers, never samples
 
     def enable_decode_graphs(
         self, max_num_seqs: int, max_model_len: int, scratch_slot: int, capture: bool
@@ -95,6 +96,8 @@ class ModelRunner:
             hidden = self.decode_graphs.run(model_input)
         else:
             hidden = self.model(model_input.input_ids, model_input.positions, self.kv_caches, model_input.attn)
+        if not self.is_last_stage:  # its output went on to the next stage (folio/parallel/pipeline_parallel.py)
+            return ModelRunnerOutput(req_ids, [[] for _ in req_ids], [None] * len(req_ids))
         rows = hidden[model_input.logits_indices]  # [S + P + sum(k_i + 1), hidden]
         spec_rows = None
         if model_input.spec_req_ids:  # speculative decoding: the drafted requests' rows come last

@@ -1,7 +1,8 @@
 """The worker's own copy of each request it holds: tokens, block table row, sampling state.
 
 Built from ``NewRequestData`` once and then kept current from ``CachedRequestData`` diffs plus the tokens the
-worker itself samples, so the scheduler never has to resend them.
+worker itself samples, so the scheduler never has to resend them (except to pipeline stages that do not sample:
+``CachedRequestData.new_token_ids``).
 """
 
 from __future__ import annotations
@@ -71,3 +72,14 @@ class RequestStates:
                 state.block_ids[index] = block_id
             state.block_ids.extend(cached.new_block_ids[i])
             state.num_computed_tokens = cached.num_computed_tokens[i]
+            if cached.new_token_ids:  # pipeline parallelism: the tokens a stage that does not sample lacks
+                _append_missing_tokens(state, cached.new_token_ids[i])
+
+
+def _append_missing_tokens(state: CachedRequestState, token_ids: list[int]) -> None:
+    """``token_ids`` sit at positions [num_computed_tokens, + len); those past what the state holds are outputs the
+    last stage sampled. Example: prompt 5 tokens, outputs [a], step positions [6, 7) = [b] -> outputs [a, b]; the
+    last stage (outputs [a, b] already) and prompt chunks (positions inside the prompt) append nothing."""
+    num_missing = state.num_computed_tokens + len(token_ids) - state.num_tokens
+    if num_missing > 0:
+        state.output_token_ids.extend(token_ids[-num_missing:])

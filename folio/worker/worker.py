@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import time
@@ -20,6 +19,7 @@ from folio.model.llama import LlamaForCausalLM
 from folio.model.loader import ModelSpec, load_model
 from folio.model.noop import NoopCausalLM
 from folio.parallel.group import RankGroup
+from folio.parallel.pipeline_parallel import PipelineStage, apply_pipeline_parallel
 from folio.parallel.tensor_parallel import apply_tensor_parallel, local_num_kv_heads
 from folio.spec_decode.ngram_proposer import NgramProposer
 from folio.worker.cpu_threads import CpuThreadGovernor
@@ -91,13 +91,18 @@ class KVCacheShape:
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, group: RankGroup | None = None) -> None:
-        """``group``: this worker's rank among the tensor-parallel ranks (None: the only rank)."""
+    def __init__(
+        self, config: EngineConfig, group: RankGroup | None = None, stage: PipelineStage | None = None
+    ) -> None:
+        """``group``: this worker's rank among the tensor-parallel ranks (None: the only rank); ``stage``: its
+        pipeline stage (None: no pipeline parallelism)."""
         self.config = config
         self.group = group if group is not None else RankGroup(0, 1)
+        self.stage = stage
+        self.world = stage.world if stage is not None else self.group  # every rank of the engine
         self.device = resolve_device(config.device)
-        if self.device.type == "cuda" and self.group.world_size > 1:
-            self.device = torch.device("cuda", self.group.rank)  # one GPU per rank
+        if self.device.type == "cuda" and self.world.world_size > 1:
+            self.device = torch.device("cuda", self.world.rank)  # one GPU per rank
         if self.device.type == "cuda" and self.device.index is not None:
             torch.cuda.set_device(self.device)  # Triton launches and graph capture use the current device
         torch.manual_seed(config.model_config.seed)
@@ -114,7 +119,7 @@ class Worker:
         self.draft_kv_shape = (
             None if self.draft_model is None else self._kv_shape(self.draft_model, self.draft_model.spec)
         )
-        num_blocks = self.group.min_int(self.determine_num_blocks())  # every rank holds every block
+        num_blocks = self.world.min_int(self.determine_num_blocks())  # every rank holds every block
         config.cache_config.num_blocks = num_blocks
         self._report_capacity(num_blocks)
         # The no-op model never touches K/V, so its KV cache is accounted (blocks) but not allocated.
@@ -127,6 +132,7 @@ class Worker:
             self.spec.vocab_size,
             self.device,
         )
+        self.model_runner.is_last_stage = stage is None or stage.is_last  # the stages before it do not sample
         speculative = config.speculative_config
         if self.draft_model is not None and self.draft_kv_shape is not None and speculative is not None:
             assert speculative.num_speculative_tokens is not None
@@ -154,7 +160,8 @@ class Worker:
 
     def _kv_shape(self, model: LlamaForCausalLM | NoopCausalLM, spec: ModelSpec) -> KVCacheShape:
         return KVCacheShape(
-            num_layers=spec.num_hidden_layers,
+            # a pipeline stage's model holds (and caches) only its own layers
+            num_layers=len(model.model.layers) if isinstance(model, LlamaForCausalLM) else spec.num_hidden_layers,
             block_size=self.config.cache_config.block_size,
             num_kv_heads=local_num_kv_heads(spec, self.group.world_size),
             head_dim=spec.head_dim,
@@ -247,7 +254,7 @@ class Worker:
         return (
             self.device.type == "cuda"
             and not self.config.model_config.enforce_eager
-            and self.group.world_size == 1  # collectives inside captured graphs: not yet
+            and self.world.world_size == 1  # collectives and stage messages inside captured graphs: not yet
             and isinstance(self.model, LlamaForCausalLM)
             and getattr(self.model.attn_backend, "supports_cuda_graphs", False)
         )
@@ -273,20 +280,27 @@ class Worker:
         logger.info("Loading %s as %s on %s", self.config.model_config.model, self.dtype, self.device)
         model_config = self.config.model_config
         self.cpu_kernels = self._cpu_kernels()  # the draft model's too
-        tensor_parallel = self.group.world_size > 1
         model, spec = load_model(
             model_config.model,
             self.dtype,
             self.device,
-            # the fused CPU decoder runs every layer in one C call, with no collectives between: TP runs per layer
-            enforce_eager=model_config.enforce_eager or tensor_parallel,
+            # the fused CPU decoder runs every layer in one C call, with no collectives or stage messages between:
+            # TP and PP run layer by layer
+            enforce_eager=model_config.enforce_eager or self.world.world_size > 1,
             cpu_kernels=self.cpu_kernels,
             cpu_kv_prefetch_bytes=self.config.cpu_config.kv_prefetch_bytes,
-            shard_model=functools.partial(apply_tensor_parallel, group=self.group) if tensor_parallel else None,
-            show_progress=self.group.rank == 0,
+            shard_model=self._shard if self.world.world_size > 1 else None,
+            show_progress=self.world.rank == 0,
             before_each_tensor=self._govern_threads if self._threads is not None else None,
         )
         return model, spec
+
+    def _shard(self, model: LlamaForCausalLM) -> None:
+        """This rank's part of the loaded model: its tensor-parallel slice, then its pipeline stage's layers."""
+        if self.group.world_size > 1:
+            apply_tensor_parallel(model, self.group)
+        if self.stage is not None:
+            apply_pipeline_parallel(model, self.stage)
 
     def _cpu_kernels(self) -> CpuKernels | None:
         """On the CPU, the kernels of the --cpu-isa tier for the model's dtype; logs the tier and the plan."""
@@ -295,6 +309,7 @@ class Worker:
         kernels = load_cpu_kernels(self.config.cpu_config.tier(), self.dtype)
         check_cpu_dtype(kernels.plan.dtype_name, kernels.tier)
         eager = " (fused decoder off: enforce_eager)" if self.config.model_config.enforce_eager else ""
+        eager = " (fused decoder off: layer by layer across ranks)" if self.world.world_size > 1 else eager
         logger.info("%s%s", kernels.describe(), eager)
         return kernels
 
@@ -308,7 +323,7 @@ class Worker:
         elif self.device.type == "cuda":
             budget = self._profile_cuda_budget()
         else:  # the ranks share the machine's RAM: each takes its share of the default
-            budget = _default_cpu_kv_bytes() // self.group.world_size
+            budget = _default_cpu_kv_bytes() // self.world.world_size
         num_blocks = budget // self.bytes_per_block
         if num_blocks < 1:
             raise ValueError(
@@ -348,7 +363,9 @@ class Worker:
         attn = build_attn_metadata(lens, lens, tables, block_size, self.device)
         positions = torch.tensor(compute_positions(lens, lens), device=self.device)
         input_ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
-        hidden = self.model(input_ids, positions, caches, attn)
+        hidden: torch.Tensor = self.model(input_ids, positions, caches, attn)
+        if self.stage is not None and not self.stage.is_last:  # pipeline stages run it together; the last has logits
+            return hidden
         logits = self.model.compute_logits(hidden[-min(sched.max_num_seqs, num_tokens) :])
         del caches, hidden
         return logits

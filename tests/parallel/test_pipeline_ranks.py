@@ -1,0 +1,72 @@
+"""Pipeline parallelism with more ranks: tp=2 x pp=2 (4 worker processes) on a tiny random Llama gives one rank's
+greedy and seeded-sampling tokens, with the KV cache sized per rank; a killed stage worker fails the engine at once
+(the executor watches every worker's process, not only the one whose output it reads), and later calls too."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import psutil
+import pytest
+
+from folio import LLM, SamplingParams
+from tests.parallel.conftest import mark_failed, shutdown
+from tests.server.conftest import wait_until
+
+_HANG_GUARD_S = 60.0
+
+
+def _tokens(outputs: list[Any]) -> list[list[int]]:
+    return [list(out.outputs[0].token_ids) for out in outputs]
+
+
+def test_tp2_pp2_on_a_tiny_model_matches_one_rank(tiny_model: str, make_engine: Callable[..., LLM]) -> None:
+    """4 ranks: 2 stages of 1 layer, each split over 2 tensor-parallel ranks (1 KV head each of the 2)."""
+    prompts = [{"prompt_token_ids": [1, 5, 9, 17, 33, 40, 41, 60, 7]}, {"prompt_token_ids": [1, 90, 3, 4]}]
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    sampled = SamplingParams(temperature=0.8, top_p=0.9, seed=123, max_tokens=16, ignore_eos=True)
+    one = make_engine(tiny_model)
+    expected = [_tokens(one.generate(prompts, p, use_tqdm=False)) for p in (greedy, sampled)]
+    llm = make_engine(tiny_model, tensor_parallel_size=2, pipeline_parallel_size=2)
+    try:
+        assert len(llm.llm_engine.executor.worker_pids) == 4
+        assert llm.llm_engine.executor.output_rank == 2  # the last stage's first tensor-parallel rank
+        # a quarter of the bytes per block on every rank (half the layers, half the KV heads): 4x the blocks
+        assert llm.llm_engine.config.cache_config.num_blocks == 4 * one.llm_engine.config.cache_config.num_blocks
+        assert [_tokens(llm.generate(prompts, p, use_tqdm=False)) for p in (greedy, sampled)] == expected
+    finally:
+        shutdown(llm)
+
+
+def test_a_killed_stage_fails_the_engine_at_once(tiny_model: str, make_engine: Callable[..., LLM]) -> None:
+    """Stage 0 dies: the core, which waits on stage 1's output, sees it through the workers' sentinels."""
+    llm = make_engine(tiny_model, pipeline_parallel_size=2)
+    mark_failed(llm)
+    pids = llm.llm_engine.executor.worker_pids
+    errors: list[BaseException] = []
+    prompts = [{"prompt_token_ids": [1, 5, 9, 17]}, {"prompt_token_ids": [1, 90, 3, 4]}]
+
+    def generate() -> None:
+        try:
+            llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True), use_tqdm=False)
+        except BaseException as e:  # noqa: BLE001 - handed to the test thread
+            errors.append(e)
+
+    thread = threading.Thread(target=generate)
+    thread.start()
+    scheduler = llm.llm_engine.scheduler
+    assert wait_until(lambda: any(r.num_output_tokens >= 3 for r in list(scheduler.requests.values())), _HANG_GUARD_S)
+    os.kill(pids[0], signal.SIGKILL)
+    thread.join(_HANG_GUARD_S)  # hang guard only
+    assert not thread.is_alive(), "the engine hung after a stage died"
+    (error,) = errors
+    assert isinstance(error, RuntimeError)
+    assert f"worker rank 0 (pid {pids[0]}) died (exit code -9)" in str(error)
+    for pid in pids:  # the executor stopped the other stage too
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    with pytest.raises(RuntimeError, match="worker rank 0"):  # later calls fail the same way, never hang
+        llm.generate(prompts, SamplingParams(max_tokens=2), use_tqdm=False)
