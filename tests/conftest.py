@@ -1,14 +1,17 @@
 """Session-wide fixtures: the default model's path, its tokenizer, and its Hugging Face reference model.
 
-The transformers model takes ~30 s to build from the GGUF, so it is loaded once per session and only by tests
-that ask for it. ``hf_model_dir`` converts it once into a Hugging Face directory cached under
-.cache/fixtures/ (git-ignored) and reused by later sessions.
+transformers takes ~12 s of CPU to build the reference model from the GGUF, so it is built once per GGUF and
+transformers version: saved as a Hugging Face directory under ~/.cache/folio/fixtures/ (outside the checkout, so
+that clean clones reuse it) and loaded from there (~2 s) by every later session. The weights are the same
+float32 tensors either way (the logits are bit-identical); ``hf_model_dir`` is that directory.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -29,9 +32,20 @@ from folio.model.loader import load_tokenizer
 # tests build the library once per tier and run the same assertions on each body; the test ids name the tier.
 CPU_TIERS = [tier for tier in IsaTier if tier <= native_tier()]
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-HF_FIXTURE_DIR = REPO_ROOT / ".cache" / "fixtures" / "smollm2-hf"
 _COMPLETE_MARKER = ".complete"  # written last: a directory without it is a partial save and is rebuilt
+
+
+def hf_fixture_dir(gguf_path: str) -> Path:
+    """Where the reference model of ``gguf_path`` is kept: named by a hash of the file's bytes and transformers'
+    version, the two things the conversion depends on."""
+    import transformers
+
+    digest = hashlib.sha256()
+    with open(gguf_path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    digest.update(transformers.__version__.encode())
+    return Path.home() / ".cache" / "folio" / "fixtures" / f"smollm2-hf-{digest.hexdigest()[:16]}"
 
 
 @pytest.fixture(params=CPU_TIERS, ids=[tier.flag_name for tier in CPU_TIERS])
@@ -54,44 +68,61 @@ def tokenizer(default_model_path: str) -> Any:
 
 
 @pytest.fixture(scope="session")
-def hf_model(default_model_path: str) -> Any:
-    """transformers' LlamaForCausalLM built from the default GGUF, float32, eval mode (slow: ~30 s)."""
+def hf_model(default_model_path: str, tokenizer: Any) -> Any:
+    """transformers' LlamaForCausalLM of the default GGUF, float32, eval mode: from its saved directory, which the
+    first session builds from the GGUF (~12 s) and saves (see the module docstring)."""
     from transformers import AutoModelForCausalLM
 
-    directory, filename = os.path.split(default_model_path)
-    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=filename, dtype=torch.float32)
-    return model.eval()
+    saved = hf_fixture_dir(default_model_path)
+    if not (saved / _COMPLETE_MARKER).is_file():
+        directory, filename = os.path.split(default_model_path)
+        model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=filename, dtype=torch.float32)
+        if not _save_hf_dir(model, tokenizer, saved):
+            return model.eval()
+    return AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32).eval()
+
+
+def _save_hf_dir(model: Any, tokenizer: Any, target: Path) -> bool:
+    """Saves model and tokenizer as ``target`` (staged, then renamed: sessions running at once never see half of
+    one); False if it cannot be written."""
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    except OSError:
+        return False
+    # The GGUF-loaded model remembers its quantization; drop that (temporarily) so it saves as plain float32.
+    quantizer = getattr(model, "hf_quantizer", None)
+    quant_config = getattr(model.config, "quantization_config", None)
+    model.hf_quantizer = None
+    if quant_config is not None:
+        del model.config.quantization_config
+    try:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        (staging / _COMPLETE_MARKER).write_text("ok\n")
+        if not (target / _COMPLETE_MARKER).is_file():  # else another session saved it meanwhile
+            shutil.rmtree(target, ignore_errors=True)
+            staging.rename(target)
+    except OSError:
+        return False
+    finally:
+        model.hf_quantizer = quantizer
+        if quant_config is not None:
+            model.config.quantization_config = quant_config
+        shutil.rmtree(staging, ignore_errors=True)
+    return True
 
 
 @pytest.fixture(scope="session")
-def hf_model_dir(request: pytest.FixtureRequest, tokenizer: Any) -> str:
-    """A Hugging Face directory (config.json, model.safetensors, tokenizer files) of the default model.
-
-    Built once into .cache/fixtures/smollm2-hf (517 MB float32) and reused while its completion marker exists;
-    only a rebuild loads ``hf_model``.
-    """
-    if (HF_FIXTURE_DIR / _COMPLETE_MARKER).is_file():
-        return str(HF_FIXTURE_DIR)
-    hf_model = request.getfixturevalue("hf_model")
-    staging = HF_FIXTURE_DIR.with_name(HF_FIXTURE_DIR.name + ".partial")
-    shutil.rmtree(staging, ignore_errors=True)
-    # The GGUF-loaded model remembers its quantization; drop that (temporarily) so it saves as plain float32.
-    quantizer = getattr(hf_model, "hf_quantizer", None)
-    quant_config = getattr(hf_model.config, "quantization_config", None)
-    hf_model.hf_quantizer = None
-    if quant_config is not None:
-        del hf_model.config.quantization_config
-    try:
-        hf_model.save_pretrained(staging)
-    finally:
-        hf_model.hf_quantizer = quantizer
-        if quant_config is not None:
-            hf_model.config.quantization_config = quant_config
-    tokenizer.save_pretrained(staging)
-    (staging / _COMPLETE_MARKER).write_text("ok\n")
-    shutil.rmtree(HF_FIXTURE_DIR, ignore_errors=True)
-    staging.rename(HF_FIXTURE_DIR)
-    return str(HF_FIXTURE_DIR)
+def hf_model_dir(request: pytest.FixtureRequest, default_model_path: str) -> str:
+    """A Hugging Face directory (config.json, model.safetensors, tokenizer files) of the default model: the one
+    ``hf_model`` is loaded from (517 MB float32, built by the first session that needs either)."""
+    saved = hf_fixture_dir(default_model_path)
+    if not (saved / _COMPLETE_MARKER).is_file():
+        request.getfixturevalue("hf_model")
+    if not (saved / _COMPLETE_MARKER).is_file():
+        pytest.fail(f"could not save the reference model's directory {saved}")
+    return str(saved)
 
 
 @pytest.fixture(scope="session")

@@ -44,7 +44,7 @@ def tokenizer_cache_key(gguf: GGUFFile) -> str:
     """A hash of the GGUF header and the converter's versions: equal keys convert to equal tokenizers."""
     key = hashlib.sha256(_FORMAT)
     key.update(f"transformers={transformers.__version__} tokenizers={tokenizers.__version__}".encode())
-    key.update(memoryview(gguf.mmap[: min(gguf.data_offset, len(gguf.mmap))]))
+    key.update(gguf.mmap[: min(gguf.data_offset, len(gguf.mmap))].tobytes())  # a few MB
     return key.hexdigest()[:32]
 
 
@@ -60,13 +60,13 @@ def load_cached_tokenizer(
     if (entry / _COMPLETE_MARKER).is_file():
         try:
             extra = json.loads((entry / _EXTRA_KWARGS_FILE).read_text())
-            tokenizer = AutoTokenizer.from_pretrained(entry, **extra)
+            cached: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(entry, **extra)
         except Exception as e:  # whatever is wrong with the entry: convert again (and replace it below)
             logger.warning("tokenizer cache entry %s unreadable (%s): converting the GGUF tokenizer again", entry, e)
             damaged = True
         else:
-            tokenizer.name_or_path = name_or_path
-            return tokenizer
+            cached.name_or_path = name_or_path
+            return cached
     tokenizer = convert()
     _save(tokenizer, entry, replace=damaged)
     return tokenizer
