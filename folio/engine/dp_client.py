@@ -51,14 +51,15 @@ def check_data_parallel(config: EngineConfig, data_parallel_size: int) -> None:
 
 
 def plan_engines(
-    config: EngineConfig, data_parallel_size: int, num_cpu_threads: int
+    config: EngineConfig, data_parallel_size: int, num_cpu_threads: int, gpus: list[str]
 ) -> list[tuple[EngineConfig, CorePlacement | None]]:
-    """Each core's config and placement (None for the one core of N = 1: it runs as it always did)."""
+    """Each core's config and placement (None for the one core of N = 1: it runs as it always did). ``gpus``: the
+    ids of the GPUs the cores may use (CUDA), in order.
+    Example: dp 2, tp 2, gpus ["0", "1", "2", "3"] -> core 0 sees "0,1", core 1 "2,3" (rank r uses the r-th)."""
     if data_parallel_size == 1:
         return [(config, None)]
     tp = config.parallel_config.world_size
     cuda = _device_type(config) == "cuda"
-    gpus = _visible_gpus() if cuda else []
     threads = max(1, num_cpu_threads // data_parallel_size)
     if not cuda and data_parallel_size * tp > num_cpu_threads:
         ranks = data_parallel_size * tp
@@ -94,10 +95,10 @@ class DPEngineCoreClient:
             num_cpu_threads = torch.get_num_threads()
         self.config = config
         self.engines: list[EngineCoreClient] = []
+        gpus = _visible_gpus() if data_parallel_size > 1 and _device_type(config) == "cuda" else []
+        plans = plan_engines(config, data_parallel_size, num_cpu_threads, gpus)
         try:
-            for index, (engine_config, placement) in enumerate(
-                plan_engines(config, data_parallel_size, num_cpu_threads)
-            ):
+            for index, (engine_config, placement) in enumerate(plans):
                 name = f"-{index}" if data_parallel_size > 1 else ""
                 self.engines.append(EngineCoreClient(engine_config, placement, name))  # loads start at once
         except BaseException:
