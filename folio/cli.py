@@ -7,6 +7,7 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 
+from folio.engine.dp_router import DATA_PARALLEL_ROUTINGS
 from folio.engine_flags import add_engine_args, engine_args_from
 from folio.kernels.isa import cpu_info, is_x86_64, library_isa_env, resolve_cpu_isa
 from folio.logger import init_logger
@@ -162,6 +163,14 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         help="engine cores behind this server, each with its own KV cache (on the CPU they split the threads, on "
         "CUDA core i takes GPUs i*tp..); a router sends each request to the core holding the longest cached prefix "
         "of its prompt, else the least loaded one (docs/scale_out.md; default 1)",
+    )
+    g.add_argument(
+        "--data-parallel-routing",
+        default="prefix",
+        choices=DATA_PARALLEL_ROUTINGS,
+        help="how --data-parallel-size > 1 picks a request's engine core: prefix (the longest cached prefix unless "
+        "that core is too busy, else the least loaded), load (the least loaded), round_robin (in turn; for "
+        "comparisons) (default prefix)",
     )
     g.add_argument(
         "--uvicorn-log-level",

@@ -29,6 +29,8 @@ from folio.sampling_params import SamplingParams
 
 logger = logging.getLogger("folio")
 
+_REAP_TIMEOUT_S = 1.0
+
 
 class EngineDeadError(RuntimeError):
     """The engine-core process died; no request can make progress until the server is restarted."""
@@ -36,14 +38,18 @@ class EngineDeadError(RuntimeError):
 
 class AsyncLLM:
     def __init__(
-        self, engine_args: EngineArgs, stat_loggers: list[StatLogger] | None = None, data_parallel_size: int = 1
+        self,
+        engine_args: EngineArgs,
+        stat_loggers: list[StatLogger] | None = None,
+        data_parallel_size: int = 1,
+        data_parallel_routing: str = "prefix",
     ) -> None:
         init_logger()
         model_path = engine_args.model or default_model_path()
         spec = read_model_spec(model_path)
         self.config = engine_args.create_engine_config(model_path, spec.max_position_embeddings)
         # Starts loading the model in the core processes right away.
-        self.cores = DPEngineCoreClient(self.config, data_parallel_size)
+        self.cores = DPEngineCoreClient(self.config, data_parallel_size, routing=data_parallel_routing)
         self.core = self.cores.engines[0]  # the one core without data parallelism
         try:
             self.tokenizer = load_tokenizer(engine_args.tokenizer or model_path)  # meanwhile, here
@@ -227,7 +233,9 @@ class AsyncLLM:
         if self.errored:
             return
         self.errored = True
-        exit_code = self.cores.engines[engine_index].process.exitcode
+        process = self.cores.engines[engine_index].process
+        process.join(_REAP_TIMEOUT_S)  # its pipe's EOF can come before it is reaped: the exit code is known then
+        exit_code = process.exitcode
         which = f" {engine_index} of {self.cores.num_engines}" if self.cores.num_engines > 1 else ""
         logger.error("the engine core process%s died (exit code %s)", which, exit_code)
         self._remove_readers()

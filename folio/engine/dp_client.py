@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from folio.config import EngineConfig
 from folio.core.sched_output import EngineCoreOutput
 from folio.engine.core_proc import CorePlacement, CoreReady, EngineCoreClient
-from folio.engine.dp_router import DPRouter
+from folio.engine.dp_router import DATA_PARALLEL_ROUTINGS, DPRouter
 from folio.request import Request
 
 logger = logging.getLogger("folio")
@@ -87,8 +87,17 @@ class DPEngineCoreClient:
     ``on_outputs(i, ...)`` so that finished requests stop counting as that core's load.
     """
 
-    def __init__(self, config: EngineConfig, data_parallel_size: int = 1, num_cpu_threads: int | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        data_parallel_size: int = 1,
+        num_cpu_threads: int | None = None,
+        routing: str = "prefix",
+    ) -> None:
         check_data_parallel(config, data_parallel_size)
+        if routing not in DATA_PARALLEL_ROUTINGS:
+            raise ValueError(f"data_parallel_routing must be one of {DATA_PARALLEL_ROUTINGS}, got {routing!r}")
+        self.routing = routing
         if num_cpu_threads is None:
             import torch
 
@@ -122,7 +131,8 @@ class DPEngineCoreClient:
             self.shutdown()
             raise
         cache = self.config.cache_config
-        self.router = DPRouter([r.num_blocks for r in readies], cache.block_size, cache.enable_prefix_caching)
+        num_blocks = [r.num_blocks for r in readies]
+        self.router = DPRouter(num_blocks, cache.block_size, cache.enable_prefix_caching, routing=self.routing)
         if len({r.num_blocks for r in readies}) > 1:
             logger.info("KV blocks per engine: %s", [r.num_blocks for r in readies])
         return readies[0]

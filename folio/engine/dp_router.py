@@ -88,6 +88,11 @@ class PrefixRecord:
             self._hashes.popitem(last=False)
 
 
+# "prefix": choose_engine's rule (the default); "load": the least-loaded engine only; "round_robin": in turn, blind
+# to both (SGLang's round_robin; for comparisons, benchmarks/data_parallel.py).
+DATA_PARALLEL_ROUTINGS = ("prefix", "load", "round_robin")
+
+
 class DPRouter:
     """Routes requests to engines and counts each engine's requests in flight (its load).
 
@@ -101,13 +106,18 @@ class DPRouter:
         block_size: int,
         prefix_caching: bool = True,
         policy: RoutingPolicy | None = None,
+        routing: str = "prefix",
     ) -> None:
+        if routing not in DATA_PARALLEL_ROUTINGS:
+            raise ValueError(f"data_parallel_routing must be one of {DATA_PARALLEL_ROUTINGS}, got {routing!r}")
         self.block_size = block_size
-        self.prefix_caching = prefix_caching
+        self.prefix_caching = prefix_caching and routing == "prefix"
+        self.round_robin = routing == "round_robin"
         self.policy = policy or RoutingPolicy()
         self.records = [PrefixRecord(n) for n in num_blocks]
         self.loads = [0] * len(num_blocks)
         self._engine_of: dict[str, int] = {}
+        self._num_routed = 0
 
     @property
     def num_engines(self) -> int:
@@ -122,6 +132,9 @@ class DPRouter:
                 extend_block_hashes(block_hashes, prompt_token_ids, self.block_size)
             matched = [record.matched_blocks(block_hashes) for record in self.records]
             engine = choose_engine(matched, self.loads, self.policy)
+            if self.round_robin:
+                engine = self._num_routed % self.num_engines
+            self._num_routed += 1
             self.records[engine].record(block_hashes)
         for request_id in request_ids:
             self._engine_of[request_id] = engine

@@ -179,7 +179,8 @@ async def serve(args: argparse.Namespace, engine_args: EngineArgs) -> int:
     logging_stats: LoggingStatLogger | EngineLogLines = LoggingStatLogger(host_tier=host_tier, spec_decode=spec_decode)
     if data_parallel_size > 1:
         logging_stats = EngineLogLines(data_parallel_size, host_tier=host_tier, spec_decode=spec_decode)
-    engine = AsyncLLM(engine_args, stat_loggers=[prometheus, logging_stats], data_parallel_size=data_parallel_size)
+    routing = getattr(args, "data_parallel_routing", "prefix")
+    engine = AsyncLLM(engine_args, [prometheus, logging_stats], data_parallel_size, data_parallel_routing=routing)
     try:
         app = build_app(engine, args, prometheus, logging_stats)
         state: ServerState = app.state.folio

@@ -84,3 +84,15 @@ def test_one_engine_routes_everything_to_it_without_hashing() -> None:
     router = DPRouter([100], block_size=BLOCK)
     assert router.route(["a-0"], list(range(40))) == 0
     assert router.loads == [1] and len(router.records[0]) == 0
+
+
+def test_round_robin_and_load_routings_ignore_the_prefix() -> None:
+    shared = list(range(1, 13))
+    round_robin = DPRouter([100, 100], block_size=BLOCK, routing="round_robin")
+    assert [round_robin.route([f"r{i}"], shared) for i in range(4)] == [0, 1, 0, 1]  # loads 0 and 0 after the 1st
+    load = DPRouter([100, 100], block_size=BLOCK, routing="load")
+    assert load.route(["a"], shared) == 0 and load.route(["b"], shared) == 1  # the prefix on 0 does not count
+    load.release(["b"])
+    assert load.route(["c"], shared) == 1
+    with pytest.raises(ValueError, match="data_parallel_routing must be one of"):
+        DPRouter([1, 1], block_size=BLOCK, routing="random")
