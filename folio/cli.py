@@ -7,6 +7,7 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 
+from folio.engine.dp_router import DATA_PARALLEL_ROUTINGS
 from folio.engine_flags import add_engine_args, engine_args_from
 from folio.kernels.isa import cpu_info, is_x86_64, library_isa_env, resolve_cpu_isa
 from folio.logger import init_logger
@@ -85,6 +86,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         raise ValueError(f"max_request_body_bytes must be >= 1, got {ns.max_request_body_bytes}")
     if not 0 <= ns.port <= 65535:
         raise ValueError(f"port must be in [0, 65535], got {ns.port}")
+    if ns.data_parallel_size < 1:
+        raise ValueError(f"data_parallel_size (--data-parallel-size) must be >= 1, got {ns.data_parallel_size}")
     return run_server(ns, engine_args_from(ns))
 
 
@@ -151,6 +154,23 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         help="refuse larger request bodies with 413 before reading them further (vLLM has no such limit). Default "
         f"{DEFAULT_MAX_REQUEST_BODY_BYTES} (8 MiB): a full 128k-token context is about 1 MB of JSON, and the limit "
         "bounds what one request can make the server buffer, parse and tokenize",
+    )
+    g.add_argument(
+        "--data-parallel-size",
+        "-dp",
+        type=int,
+        default=1,
+        help="engine cores behind this server, each with its own KV cache (on the CPU they split the threads, on "
+        "CUDA core i takes GPUs i*tp..); a router sends each request to the core holding the longest cached prefix "
+        "of its prompt, else the least loaded one (docs/scale_out.md; default 1)",
+    )
+    g.add_argument(
+        "--data-parallel-routing",
+        default="prefix",
+        choices=DATA_PARALLEL_ROUTINGS,
+        help="how --data-parallel-size > 1 picks a request's engine core: prefix (the longest cached prefix unless "
+        "that core is too busy, else the least loaded), load (the least loaded), round_robin (in turn; for "
+        "comparisons) (default prefix)",
     )
     g.add_argument(
         "--uvicorn-log-level",

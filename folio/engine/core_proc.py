@@ -59,8 +59,30 @@ class StepOutputs:
     scheduler_stats: SchedulerStats
 
 
-def run_engine_core(config: EngineConfig, requests_in: Any, outputs_out: Any) -> None:
+@dataclass
+class CorePlacement:
+    """Where one of several engine cores runs (data parallelism, folio/engine/dp_client.py); None: the defaults."""
+
+    num_cpu_threads: int | None = None  # the core's share of the CPU threads (its worker ranks divide it again)
+    cuda_visible_devices: str | None = None  # the core's GPUs, e.g. "2,3": its rank r uses the r-th of them
+
+    def apply(self) -> None:
+        """In the core's process, before CUDA starts. The environment carries the share to its worker processes."""
+        if self.cuda_visible_devices is not None:
+            os.environ["CUDA_VISIBLE_DEVICES"] = self.cuda_visible_devices
+        if self.num_cpu_threads is not None:
+            import torch
+
+            os.environ["OMP_NUM_THREADS"] = str(self.num_cpu_threads)
+            torch.set_num_threads(self.num_cpu_threads)
+
+
+def run_engine_core(
+    config: EngineConfig, requests_in: Any, outputs_out: Any, placement: CorePlacement | None = None
+) -> None:
     """Child-process entry: load the model, report ready, then serve the step loop until told to stop."""
+    if placement is not None:
+        placement.apply()
     from folio.engine.core import EngineCore
     from folio.executor import make_executor
     from folio.logger import init_logger
@@ -105,12 +127,15 @@ def _serve(core: Any, requests_in: Any, outputs_out: Any) -> None:
 class EngineCoreClient:
     """Frontend side: starts the core process and moves messages; knows nothing of tokens or text."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, placement: CorePlacement | None = None, name: str = "") -> None:
         ctx = multiprocessing.get_context("spawn")
         requests_out, requests_in = ctx.Pipe(duplex=False)  # (receive end, send end)
         outputs_in, outputs_out = ctx.Pipe(duplex=False)
         self.process = ctx.Process(
-            target=run_engine_core, args=(config, requests_out, outputs_out), name="folio-engine-core", daemon=True
+            target=run_engine_core,
+            args=(config, requests_out, outputs_out, placement),
+            name=f"folio-engine-core{name}",
+            daemon=True,
         )
         self.process.start()
         requests_out.close()
@@ -151,6 +176,11 @@ class EngineCoreClient:
     def _send(self, message: object) -> None:
         with contextlib.suppress(BrokenPipeError, OSError):  # a dead core is reported by the output side
             self._send_conn.send(message)
+
+    def send_shutdown(self) -> None:
+        """Asks the core to stop without waiting (several cores stop together); ``shutdown`` then waits."""
+        if self.process.is_alive():
+            self._send(Shutdown())
 
     def shutdown(self, timeout_s: float | None = None) -> None:
         if self.process.is_alive():

@@ -33,7 +33,11 @@ class IterationStats:
 
 
 class StatLogger(Protocol):
-    def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None: ...
+    """``engine_index``: the engine core the step came from (0..N-1 with data parallelism; vLLM's engine_idx)."""
+
+    def record(
+        self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats, engine_index: int = 0
+    ) -> None: ...
 
 
 @dataclass

@@ -27,7 +27,7 @@ from folio.config import EngineArgs
 from folio.server.admission import Admission, AdmissionLimits, register_admission_metrics
 from folio.server.errors import install_exception_handlers
 from folio.server.limits import DEFAULT_MAX_N_SEQUENCES, DEFAULT_MAX_REQUEST_BODY_BYTES
-from folio.server.metrics import LoggingStatLogger, PrometheusStatLogger
+from folio.server.metrics import EngineLogLines, LoggingStatLogger, PrometheusStatLogger
 from folio.server.middleware import GateMiddleware
 from folio.server.openapi_spec import install_openapi
 from folio.server.request_body import RequestBodyMiddleware
@@ -71,12 +71,12 @@ def build_app(
     engine: AsyncLLM,
     args: argparse.Namespace,
     prometheus: PrometheusStatLogger | None = None,
-    logging_stats: LoggingStatLogger | None = None,
+    logging_stats: LoggingStatLogger | EngineLogLines | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app over a running engine; ``prometheus`` must be the logger the engine records to."""
     model_name = served_model_name(args)
     limits = AdmissionLimits(
-        max_num_seqs=engine.config.scheduler_config.max_num_seqs,
+        max_num_seqs=engine.config.scheduler_config.max_num_seqs * engine.data_parallel_size,  # every core's
         max_num_queued_reqs=getattr(args, "max_num_queued_reqs", None),
         max_num_queued_tokens=getattr(args, "max_num_queued_tokens", None),
     )
@@ -129,7 +129,7 @@ async def _watch_engine(engine: AsyncLLM, state: ServerState) -> None:
     state.request_shutdown()
 
 
-async def _log_stats_periodically(stats: LoggingStatLogger) -> None:
+async def _log_stats_periodically(stats: LoggingStatLogger | EngineLogLines) -> None:
     while True:
         await asyncio.sleep(stats.interval_s)
         stats.log_if_due()
@@ -173,9 +173,14 @@ async def serve(args: argparse.Namespace, engine_args: EngineArgs) -> int:
     model_name = served_model_name(args)
     speculative = SpeculativeConfig.from_value(engine_args.speculative_config)
     num_spec_tokens = speculative.num_speculative_tokens if speculative is not None else None
-    prometheus = PrometheusStatLogger(model_name, num_spec_tokens)
-    logging_stats = LoggingStatLogger(host_tier=engine_args.kv_offloading_size > 0, spec_decode=bool(num_spec_tokens))
-    engine = AsyncLLM(engine_args, stat_loggers=[prometheus, logging_stats])
+    data_parallel_size = getattr(args, "data_parallel_size", 1)
+    prometheus = PrometheusStatLogger(model_name, num_spec_tokens, num_engines=max(1, data_parallel_size))
+    host_tier, spec_decode = engine_args.kv_offloading_size > 0, bool(num_spec_tokens)
+    logging_stats: LoggingStatLogger | EngineLogLines = LoggingStatLogger(host_tier=host_tier, spec_decode=spec_decode)
+    if data_parallel_size > 1:
+        logging_stats = EngineLogLines(data_parallel_size, host_tier=host_tier, spec_decode=spec_decode)
+    routing = getattr(args, "data_parallel_routing", "prefix")
+    engine = AsyncLLM(engine_args, [prometheus, logging_stats], data_parallel_size, data_parallel_routing=routing)
     try:
         app = build_app(engine, args, prometheus, logging_stats)
         state: ServerState = app.state.folio

@@ -1,14 +1,17 @@
 """Stat loggers: Prometheus metrics under ``folio:`` (vLLM's names and buckets) and vLLM's periodic log line.
 
 Both implement ``StatLogger``: the AsyncLLM calls ``record`` after each engine-core step with the core's
-scheduler snapshot and what the frontend measured for that step's outputs. Each server owns its own
-CollectorRegistry, so two apps in one process (tests) never share counters.
+scheduler snapshot, what the frontend measured for that step's outputs and the core's index. Every Prometheus
+series carries an ``engine`` label ("0".."N-1" with data parallelism, "0" otherwise), as vLLM's do; one /metrics
+shows every engine's series. Each server owns its own CollectorRegistry, so two apps in one process (tests) never
+share counters.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import defaultdict
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -48,13 +51,15 @@ OFFLOAD_DIRECTIONS = ("to_cpu", "to_device", "to_disk", "from_disk")  # host tie
 
 
 class PrometheusStatLogger:
-    """Every metric carries the ``model_name`` label, as vLLM's do. ``num_speculative_tokens``: speculation is on,
-    and its counters exist (folio/server/spec_decode_metrics.py)."""
+    """Every metric carries the ``model_name`` and ``engine`` labels, as vLLM's do. ``num_speculative_tokens``:
+    speculation is on, and its counters exist (folio/server/spec_decode_metrics.py). ``num_engines``: the engine
+    cores (data parallelism); each one's series exist from the start."""
 
-    def __init__(self, model_name: str, num_speculative_tokens: int | None = None) -> None:
+    def __init__(self, model_name: str, num_speculative_tokens: int | None = None, num_engines: int = 1) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.model_name = model_name
-        labels = ["model_name"]
+        self.engines = [str(i) for i in range(num_engines)]
+        labels = ["model_name", "engine"]
         reg = self.registry
         self.gauge_running = Gauge("folio:num_requests_running", "Requests in the running batch.", labels, registry=reg)
         self.gauge_waiting = Gauge("folio:num_requests_waiting", "Requests waiting to run.", labels, registry=reg)
@@ -77,7 +82,8 @@ class PrometheusStatLogger:
             registry=reg,
         )
         for direction in OFFLOAD_DIRECTIONS:
-            self.counter_offload_blocks.labels(model_name, direction)
+            for engine in self.engines:
+                self.counter_offload_blocks.labels(model_name, engine, direction)
         self.gauge_offload_usage = Gauge(
             "folio:kv_offload_cpu_usage_perc",
             "Host KV tier usage: 1 means every host block is in use.",
@@ -122,7 +128,8 @@ class PrometheusStatLogger:
             "folio:request_success", "Finished requests, by finish reason.", [*labels, "finished_reason"], registry=reg
         )
         for reason in FINISH_REASONS:
-            self.counter_request_success.labels(model_name, reason)
+            for engine in self.engines:
+                self.counter_request_success.labels(model_name, engine, reason)
         self.hist_ttft = Histogram(
             "folio:time_to_first_token_seconds", "Time to first token.", labels, buckets=TTFT_BUCKETS, registry=reg
         )
@@ -163,70 +170,68 @@ class PrometheusStatLogger:
             self.hist_e2e,
             self.hist_queue,
         ):
-            metric.labels(model_name)  # every series is exposed (at 0) before the first request
+            for engine in self.engines:
+                metric.labels(model_name, engine)  # every series is exposed (at 0) before the first request
         self.spec_decode = (
-            SpecDecodePrometheus(reg, model_name, num_speculative_tokens) if num_speculative_tokens else None
+            SpecDecodePrometheus(reg, model_name, num_speculative_tokens, self.engines)
+            if num_speculative_tokens
+            else None
         )
-        # The core reports cumulative prefix-cache and preemption counts; counters advance by the difference.
-        self._last_prefix_queries = 0
-        self._last_prefix_hits = 0
-        self._last_preemptions = 0
-        self._last_offload_to_cpu = 0
-        self._last_offload_to_device = 0
-        self._last_external_queries = 0
-        self._last_external_hits = 0
-        self._last_swapped_preemptions = 0
-        self._last_offload_to_disk = 0
-        self._last_offload_from_disk = 0
-        self._last_disk_failed_loads = 0
+        # Each core reports cumulative prefix-cache, preemption and tier counts; counters advance by the
+        # difference from that core's last snapshot (a key per count, 0 before the first).
+        self._last: list[defaultdict[str, int]] = [defaultdict(int) for _ in self.engines]
 
-    def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None:
-        name = self.model_name
-        self.gauge_running.labels(name).set(scheduler_stats.num_running)
-        self.gauge_waiting.labels(name).set(scheduler_stats.num_waiting)
-        self.gauge_kv_usage.labels(name).set(scheduler_stats.kv_cache_usage)
-        self._advance(self.counter_prefix_queries, scheduler_stats.prefix_cache_queries, "_last_prefix_queries")
-        self._advance(self.counter_prefix_hits, scheduler_stats.prefix_cache_hits, "_last_prefix_hits")
-        self._advance(self.counter_preemptions, scheduler_stats.num_preemptions_total, "_last_preemptions")
-        self._record_offload(scheduler_stats)
+    def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats, engine_index: int = 0) -> None:
+        labels = (self.model_name, self.engines[engine_index])
+        self.gauge_running.labels(*labels).set(scheduler_stats.num_running)
+        self.gauge_waiting.labels(*labels).set(scheduler_stats.num_waiting)
+        self.gauge_kv_usage.labels(*labels).set(scheduler_stats.kv_cache_usage)
+        self._advance(self.counter_prefix_queries, scheduler_stats.prefix_cache_queries, engine_index, "prefix_queries")
+        self._advance(self.counter_prefix_hits, scheduler_stats.prefix_cache_hits, engine_index, "prefix_hits")
+        self._advance(self.counter_preemptions, scheduler_stats.num_preemptions_total, engine_index, "preemptions")
+        self._record_offload(scheduler_stats, engine_index)
         if self.spec_decode is not None:
-            self.spec_decode.record(scheduler_stats.spec_decoding)
-        self.counter_prompt_tokens.labels(name).inc(iteration_stats.num_prompt_tokens)
-        self.counter_generation_tokens.labels(name).inc(iteration_stats.num_generation_tokens)
+            self.spec_decode.record(scheduler_stats.spec_decoding, engine_index)
+        self.counter_prompt_tokens.labels(*labels).inc(iteration_stats.num_prompt_tokens)
+        self.counter_generation_tokens.labels(*labels).inc(iteration_stats.num_generation_tokens)
         for ttft in iteration_stats.time_to_first_tokens:
-            self.hist_ttft.labels(name).observe(ttft)
+            self.hist_ttft.labels(*labels).observe(ttft)
         for itl in iteration_stats.inter_token_latencies:
-            self.hist_itl.labels(name).observe(itl)
+            self.hist_itl.labels(*labels).observe(itl)
         for finished in iteration_stats.finished_requests:
-            self.counter_request_success.labels(name, finished.finish_reason).inc()
-            self.hist_e2e.labels(name).observe(finished.e2e_latency)
-            self.hist_queue.labels(name).observe(finished.queue_time)
+            self.counter_request_success.labels(*labels, finished.finish_reason).inc()
+            self.hist_e2e.labels(*labels).observe(finished.e2e_latency)
+            self.hist_queue.labels(*labels).observe(finished.queue_time)
 
-    def _record_offload(self, stats: SchedulerStats) -> None:
+    def _record_offload(self, stats: SchedulerStats, engine_index: int) -> None:
         """The host tier's counters (0 where the snapshot has none: no tier, or a core without one)."""
-        self.gauge_offload_usage.labels(self.model_name).set(getattr(stats, "kv_offload_cpu_usage", 0.0))
-        to_cpu, to_device = (getattr(stats, f"kv_offload_blocks_to_{d}_total", 0) for d in ("cpu", "device"))
-        self._advance(self.counter_offload_blocks, to_cpu, "_last_offload_to_cpu", "to_cpu")
-        self._advance(self.counter_offload_blocks, to_device, "_last_offload_to_device", "to_device")
+        labels = (self.model_name, self.engines[engine_index])
+        self.gauge_offload_usage.labels(*labels).set(getattr(stats, "kv_offload_cpu_usage", 0.0))
+        for direction, field in [
+            ("to_cpu", "kv_offload_blocks_to_cpu_total"),
+            ("to_device", "kv_offload_blocks_to_device_total"),
+            ("to_disk", "kv_offload_blocks_to_disk_total"),
+            ("from_disk", "kv_offload_blocks_from_disk_total"),
+        ]:
+            self._advance(self.counter_offload_blocks, getattr(stats, field, 0), engine_index, field, direction)
         queries = getattr(stats, "external_prefix_cache_queries", 0)
-        self._advance(self.counter_external_queries, queries, "_last_external_queries")
-        self._advance(
-            self.counter_external_hits, getattr(stats, "external_prefix_cache_hits", 0), "_last_external_hits"
-        )
+        self._advance(self.counter_external_queries, queries, engine_index, "external_queries")
+        hits = getattr(stats, "external_prefix_cache_hits", 0)
+        self._advance(self.counter_external_hits, hits, engine_index, "external_hits")
         swapped = getattr(stats, "num_swapped_preemptions_total", 0)
-        self._advance(self.counter_swapped_preemptions, swapped, "_last_swapped_preemptions")
-        self.gauge_offload_disk_usage.labels(self.model_name).set(getattr(stats, "kv_offload_disk_usage", 0.0))
-        to_disk, from_disk = (getattr(stats, f"kv_offload_blocks_{d}_disk_total", 0) for d in ("to", "from"))
-        self._advance(self.counter_offload_blocks, to_disk, "_last_offload_to_disk", "to_disk")
-        self._advance(self.counter_offload_blocks, from_disk, "_last_offload_from_disk", "from_disk")
+        self._advance(self.counter_swapped_preemptions, swapped, engine_index, "swapped_preemptions")
+        self.gauge_offload_disk_usage.labels(*labels).set(getattr(stats, "kv_offload_disk_usage", 0.0))
         failed = getattr(stats, "kv_offload_disk_failed_loads_total", 0)
-        self._advance(self.counter_disk_failed_loads, failed, "_last_disk_failed_loads")
+        self._advance(self.counter_disk_failed_loads, failed, engine_index, "disk_failed_loads")
 
-    def _advance(self, counter: Counter, cumulative: int, last_attr: str, *labels: str) -> None:
-        delta = cumulative - getattr(self, last_attr)
+    def _advance(self, counter: Counter, cumulative: int, engine_index: int, key: str, *labels: str) -> None:
+        """Advances ``counter`` by what core ``engine_index``'s cumulative count ``key`` grew since its last
+        snapshot (never back)."""
+        last = self._last[engine_index]
+        delta = cumulative - last[key]
         if delta > 0:
-            counter.labels(self.model_name, *labels).inc(delta)
-        setattr(self, last_attr, max(cumulative, getattr(self, last_attr)))
+            counter.labels(self.model_name, self.engines[engine_index], *labels).inc(delta)
+        last[key] = max(cumulative, last[key])
 
     def render(self) -> bytes:
         """The Prometheus text exposition of this server's registry."""
@@ -234,10 +239,14 @@ class PrometheusStatLogger:
 
 
 class LoggingStatLogger:
-    """vLLM's periodic line: throughput over the interval, queue sizes, KV usage and prefix hit rate."""
+    """vLLM's periodic line: throughput over the interval, queue sizes, KV usage and prefix hit rate. ``prefix``
+    starts the line ("Engine 001: " with data parallelism, as vLLM's per-engine lines)."""
 
-    def __init__(self, interval_s: float = 10.0, host_tier: bool = False, spec_decode: bool = False) -> None:
+    def __init__(
+        self, interval_s: float = 10.0, host_tier: bool = False, spec_decode: bool = False, prefix: str = ""
+    ) -> None:
         self.interval_s = interval_s
+        self.prefix = prefix
         self.host_tier = host_tier  # a host KV tier exists: the line adds its usage and hit rate
         self.spec_decode = SpecDecodeLogPart() if spec_decode else None  # adds the acceptance over the interval
         self._last_log_time = time.monotonic()
@@ -250,7 +259,7 @@ class LoggingStatLogger:
         self._last: SchedulerStats | None = None
         self._logged_idle = True  # nothing to report until the first step
 
-    def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None:
+    def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats, engine_index: int = 0) -> None:
         self._num_prompt_tokens += iteration_stats.num_prompt_tokens
         self._num_generation_tokens += iteration_stats.num_generation_tokens
         self._last = scheduler_stats
@@ -274,8 +283,9 @@ class LoggingStatLogger:
         hits = (stats.prefix_cache_hits if stats else 0) - self._prefix_hits
         hit_rate = hits / queries if queries > 0 else 0.0
         logger.info(
-            "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, Running: %d reqs, "
+            "%sAvg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, Running: %d reqs, "
             "Waiting: %d reqs, GPU KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%%s%s",
+            self.prefix,
             self._num_prompt_tokens / elapsed,
             self._num_generation_tokens / elapsed,
             running,
@@ -304,3 +314,21 @@ class LoggingStatLogger:
             self._external_queries, self._external_hits = queries_total, hits_total
         rate = hits / queries if queries > 0 else 0.0
         return f", CPU KV cache usage: {usage * 100:.1f}%, CPU prefix cache hit rate: {rate * 100:.1f}%"
+
+
+class EngineLogLines:
+    """One periodic line per engine core (data parallelism), behind the one-logger interface the server uses."""
+
+    def __init__(self, num_engines: int, host_tier: bool = False, spec_decode: bool = False) -> None:
+        self.lines = [
+            LoggingStatLogger(host_tier=host_tier, spec_decode=spec_decode, prefix=f"Engine {i:03d}: ")
+            for i in range(num_engines)
+        ]
+        self.interval_s = self.lines[0].interval_s
+
+    def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats, engine_index: int = 0) -> None:
+        self.lines[engine_index].record(scheduler_stats, iteration_stats)
+
+    def log_if_due(self) -> None:
+        for line in self.lines:
+            line.log_if_due()

@@ -41,6 +41,7 @@ class ErrorResponse(BaseModel):
 class VersionInfo(BaseModel):
     version: str
     engine_core_pid: int
+    engine_core_pids: list[int]  # every engine core's, in engine order (data parallelism); [engine_core_pid] at N=1
 
 
 ERROR_DESCRIPTIONS = {

@@ -65,8 +65,10 @@ def register_routes(
 
     @app.get("/version")
     async def version() -> JSONResponse:
-        """The version, plus the engine core's pid (operators and tests use it to find the core process)."""
-        return JSONResponse({"version": folio.__version__, "engine_core_pid": ctx.engine.engine_core_pid})
+        """The version, plus the engine cores' pids (operators and tests use them to find the core processes):
+        ``engine_core_pid`` is core 0's, ``engine_core_pids`` every core's (data parallelism)."""
+        pids = ctx.engine.engine_core_pids
+        return JSONResponse({"version": folio.__version__, "engine_core_pid": pids[0], "engine_core_pids": pids})
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -16,9 +16,16 @@ class SpecDecodePrometheus:
     """``folio:spec_decode_num_drafts``, ``..._num_draft_tokens``, ``..._num_accepted_tokens`` and
     ``..._num_accepted_tokens_per_pos{position}`` (exposed with ``_total``), every series at 0 from the start."""
 
-    def __init__(self, registry: CollectorRegistry, model_name: str, num_speculative_tokens: int) -> None:
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        model_name: str,
+        num_speculative_tokens: int,
+        engines: list[str] | None = None,
+    ) -> None:
         self.model_name = model_name
-        labels = ["model_name"]
+        self.engines = engines or ["0"]
+        labels = ["model_name", "engine"]
         self.num_drafts = Counter(
             "folio:spec_decode_num_drafts", "Verifications of a request's drafts.", labels, registry=registry
         )
@@ -34,24 +41,26 @@ class SpecDecodePrometheus:
             [*labels, "position"],
             registry=registry,
         )
-        for counter in (self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens):
-            counter.labels(model_name)
-        for position in range(num_speculative_tokens):
-            self.num_accepted_tokens_per_pos.labels(model_name, str(position))
-        self._last = SpecDecodingStats()
+        for engine in self.engines:
+            for counter in (self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens):
+                counter.labels(model_name, engine)
+            for position in range(num_speculative_tokens):
+                self.num_accepted_tokens_per_pos.labels(model_name, engine, str(position))
+        self._last = [SpecDecodingStats() for _ in self.engines]  # each engine core's last snapshot
 
-    def record(self, stats: SpecDecodingStats) -> None:
-        """Advance every counter by the difference between ``stats`` (cumulative) and the last snapshot."""
-        last, name = self._last, self.model_name
-        _advance(self.num_drafts.labels(name), stats.num_drafts - last.num_drafts)
-        _advance(self.num_draft_tokens.labels(name), stats.num_draft_tokens - last.num_draft_tokens)
-        _advance(self.num_accepted_tokens.labels(name), stats.num_accepted_tokens - last.num_accepted_tokens)
+    def record(self, stats: SpecDecodingStats, engine_index: int = 0) -> None:
+        """Advance every counter by the difference between ``stats`` (core ``engine_index``'s cumulative counts)
+        and that core's last snapshot."""
+        last, labels = self._last[engine_index], (self.model_name, self.engines[engine_index])
+        _advance(self.num_drafts.labels(*labels), stats.num_drafts - last.num_drafts)
+        _advance(self.num_draft_tokens.labels(*labels), stats.num_draft_tokens - last.num_draft_tokens)
+        _advance(self.num_accepted_tokens.labels(*labels), stats.num_accepted_tokens - last.num_accepted_tokens)
         for position, count in enumerate(stats.num_accepted_tokens_per_pos):
             before = (
                 last.num_accepted_tokens_per_pos[position] if position < len(last.num_accepted_tokens_per_pos) else 0
             )
-            _advance(self.num_accepted_tokens_per_pos.labels(name, str(position)), count - before)
-        self._last = stats
+            _advance(self.num_accepted_tokens_per_pos.labels(*labels, str(position)), count - before)
+        self._last[engine_index] = stats
 
 
 def _advance(child: Counter, delta: int) -> None:

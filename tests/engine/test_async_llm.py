@@ -30,7 +30,7 @@ class FinishRecorder:
     def __init__(self) -> None:
         self.reasons: list[str] = []
 
-    def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None:
+    def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats, engine_index: int = 0) -> None:
         self.reasons += [finished.finish_reason for finished in iteration_stats.finished_requests]
 
 

@@ -101,16 +101,23 @@ def parse_metrics(text: str) -> dict[str, float]:
 
 
 def metric(values: dict[str, float], name: str, **labels: str) -> float:
-    """The value of one series, labels given without model_name (it is always the served name)."""
+    """The value of one series, labels given without model_name (it is always the served name). Without an
+    ``engine`` label, the sum over the engine cores' series (one core: its series)."""
     wanted = {"model_name": MODEL_NAME, **labels}
+    matched = []
     for series, value in values.items():
         metric_name, _, label_text = series.partition("{")
         if metric_name != name:
             continue
         found = dict(part.split("=", 1) for part in label_text.rstrip("}").split(",") if part)
-        if {k: v.strip('"') for k, v in found.items()} == wanted:
-            return value
-    raise KeyError(f"{name}{wanted} not in /metrics")
+        found = {k: v.strip('"') for k, v in found.items()}
+        if "engine" not in labels:
+            found.pop("engine", None)
+        if found == wanted:
+            matched.append(value)
+    if not matched:
+        raise KeyError(f"{name}{wanted} not in /metrics")
+    return sum(matched)
 
 
 # Nothing runs, waits, holds an admission slot or a KV block: the state every test ends in.

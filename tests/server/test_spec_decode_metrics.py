@@ -31,16 +31,16 @@ def _values(prom: PrometheusStatLogger) -> dict[str, float]:
 
 def test_counters_follow_the_cumulative_counts() -> None:
     prom = PrometheusStatLogger("m", num_speculative_tokens=3)
-    per_pos = 'folio:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="%d"}'
+    per_pos = 'folio:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="%d"}'
     assert _values(prom) == {
-        **{f'folio:spec_decode_{name}_total{{model_name="m"}}': 0.0 for name in NAMES},
+        **{f'folio:spec_decode_{name}_total{{engine="0",model_name="m"}}': 0.0 for name in NAMES},
         **{per_pos % i: 0.0 for i in range(3)},
     }
     prom.record(_snapshot([(3, 2)]), IterationStats())
     prom.record(_snapshot([(3, 2), (3, 3), (2, 0)]), IterationStats())
     prom.record(_snapshot([(3, 2), (3, 3), (2, 0)]), IterationStats())  # nothing new: nothing moves
     values = _values(prom)
-    assert [values[f'folio:spec_decode_{name}_total{{model_name="m"}}'] for name in NAMES] == [3, 8, 5]
+    assert [values[f'folio:spec_decode_{name}_total{{engine="0",model_name="m"}}'] for name in NAMES] == [3, 8, 5]
     assert [values[per_pos % i] for i in range(3)] == [2, 2, 1]
 
 
