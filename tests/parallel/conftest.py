@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
 import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -10,8 +13,9 @@ from typing import Any
 
 import pytest
 
-from folio import LLM
+from folio import LLM, SamplingParams
 from tests.engine.conftest import assert_no_leaks
+from tests.server.conftest import wait_until
 from tests.tiny_models import save_tiny_llama
 
 TINY_KV_BYTES = 2**22  # per rank; the tiny model's blocks are small
@@ -59,3 +63,34 @@ def _no_leaks_after_each_test() -> Iterator[None]:
     for llm in list(_ENGINES):
         if llm not in _FAILED:
             assert_no_leaks(llm)
+
+
+HANG_GUARD_S = 60.0
+
+
+def kill_rank_mid_run(llm: LLM, prompts: list[Any], rank: int) -> None:
+    """Generates in a thread, SIGKILLs worker ``rank`` once a request has decoded 3 tokens (the scheduler's own
+    record), and asserts the engine fails promptly with that rank's death, with every worker process gone."""
+    import psutil
+
+    pids = llm.llm_engine.executor.worker_pids
+    errors: list[BaseException] = []
+
+    def generate() -> None:
+        try:
+            llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True), use_tqdm=False)
+        except BaseException as e:  # noqa: BLE001 - handed to the test thread
+            errors.append(e)
+
+    thread = threading.Thread(target=generate)
+    thread.start()
+    scheduler = llm.llm_engine.scheduler
+    assert wait_until(lambda: any(r.num_output_tokens >= 3 for r in list(scheduler.requests.values())), HANG_GUARD_S)
+    os.kill(pids[rank], signal.SIGKILL)
+    thread.join(HANG_GUARD_S)  # hang guard only
+    assert not thread.is_alive(), f"the engine hung after worker rank {rank} died"
+    (error,) = errors
+    assert isinstance(error, RuntimeError)
+    assert f"worker rank {rank} (pid {pids[rank]}) died (exit code -9)" in str(error)
+    for pid in pids:  # the executor stopped the other ranks too
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -18,7 +16,7 @@ import pytest
 import torch
 
 from folio import LLM, SamplingParams
-from tests.parallel.conftest import TINY_KV_BYTES, mark_failed, shutdown
+from tests.parallel.conftest import TINY_KV_BYTES, kill_rank_mid_run, mark_failed, shutdown
 from tests.server.conftest import start_server, wait_until
 
 _PROMPTS = [{"prompt_token_ids": [1, 5, 9, 17, 33, 40, 41]}, {"prompt_token_ids": [1, 90, 3, 4]}]
@@ -83,29 +81,7 @@ def test_more_ranks_than_gpus_is_refused(tiny_model: str) -> None:
 def test_a_killed_worker_fails_the_engine_at_once(tiny_model: str, make_engine: Callable[..., LLM]) -> None:
     llm = make_engine(tiny_model, tensor_parallel_size=2)
     mark_failed(llm)
-    pids = llm.llm_engine.executor.worker_pids
-    errors: list[BaseException] = []
-
-    def generate() -> None:
-        params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
-        try:
-            llm.generate(_PROMPTS, params, use_tqdm=False)
-        except BaseException as e:  # noqa: BLE001 - handed to the test thread
-            errors.append(e)
-
-    thread = threading.Thread(target=generate)
-    thread.start()
-    scheduler = llm.llm_engine.scheduler
-    # mid-run: a request has decoded a few tokens (the scheduler's own record), then rank 1 dies
-    assert wait_until(lambda: any(r.num_output_tokens >= 3 for r in list(scheduler.requests.values())), _HANG_GUARD_S)
-    os.kill(pids[1], signal.SIGKILL)
-    thread.join(_HANG_GUARD_S)  # hang guard only
-    assert not thread.is_alive(), "the engine hung after its worker died"
-    (error,) = errors
-    assert isinstance(error, RuntimeError)
-    assert f"worker rank 1 (pid {pids[1]}) died (exit code -9)" in str(error)
-    for pid in pids:  # the executor stopped rank 0 too
-        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    kill_rank_mid_run(llm, _PROMPTS, rank=1)
     with pytest.raises(RuntimeError, match="worker rank 1"):  # later calls fail the same way, never hang
         llm.generate(_PROMPTS, _GREEDY, use_tqdm=False)
 

@@ -4,18 +4,13 @@ greedy and seeded-sampling tokens, with the KV cache sized per rank; a killed st
 
 from __future__ import annotations
 
-import os
-import signal
-import threading
 from collections.abc import Callable
 from typing import Any
 
-import psutil
 import pytest
 
 from folio import LLM, SamplingParams
-from tests.parallel.conftest import mark_failed, shutdown
-from tests.server.conftest import wait_until
+from tests.parallel.conftest import kill_rank_mid_run, mark_failed, shutdown
 
 _HANG_GUARD_S = 60.0
 
@@ -46,27 +41,7 @@ def test_a_killed_stage_fails_the_engine_at_once(tiny_model: str, make_engine: C
     """Stage 0 dies: the core, which waits on stage 1's output, sees it through the workers' sentinels."""
     llm = make_engine(tiny_model, pipeline_parallel_size=2)
     mark_failed(llm)
-    pids = llm.llm_engine.executor.worker_pids
-    errors: list[BaseException] = []
     prompts = [{"prompt_token_ids": [1, 5, 9, 17]}, {"prompt_token_ids": [1, 90, 3, 4]}]
-
-    def generate() -> None:
-        try:
-            llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True), use_tqdm=False)
-        except BaseException as e:  # noqa: BLE001 - handed to the test thread
-            errors.append(e)
-
-    thread = threading.Thread(target=generate)
-    thread.start()
-    scheduler = llm.llm_engine.scheduler
-    assert wait_until(lambda: any(r.num_output_tokens >= 3 for r in list(scheduler.requests.values())), _HANG_GUARD_S)
-    os.kill(pids[0], signal.SIGKILL)
-    thread.join(_HANG_GUARD_S)  # hang guard only
-    assert not thread.is_alive(), "the engine hung after a stage died"
-    (error,) = errors
-    assert isinstance(error, RuntimeError)
-    assert f"worker rank 0 (pid {pids[0]}) died (exit code -9)" in str(error)
-    for pid in pids:  # the executor stopped the other stage too
-        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    kill_rank_mid_run(llm, prompts, rank=0)
     with pytest.raises(RuntimeError, match="worker rank 0"):  # later calls fail the same way, never hang
         llm.generate(prompts, SamplingParams(max_tokens=2), use_tqdm=False)
