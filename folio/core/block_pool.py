@@ -104,6 +104,16 @@ class BlockPool:
         # until the step's forward, so a lower tier can plan to save them (core/offload.py). None: dropped.
         self.on_evict: Callable[[int, int], None] | None = None
 
+    def find_leaks(self) -> list[str]:
+        """Problems once every request ended: a block still referenced, or fewer free blocks than the pool holds."""
+        held = [(block.block_id, block.ref_count) for block in self.blocks if block.ref_count != 0]
+        problems = []
+        if self.get_num_free_blocks() != self.num_blocks:
+            problems.append(f"{self.get_num_free_blocks()} of {self.num_blocks} blocks free")
+        if held:
+            problems.append(f"(block id, ref_count) not 0: {held}")
+        return problems
+
     def get_num_free_blocks(self) -> int:
         """Free blocks, including free blocks that still hold cached K/V (they are evictable)."""
         return self.free_block_queue.num_free_blocks

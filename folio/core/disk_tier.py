@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
+from folio.core.block_pool import BlockPool
 from folio.core.sched_output import DiskStore, KVDiskPlans
 
 
@@ -71,6 +72,14 @@ class DiskKVTier:
             del self._deletes[block_hash]
             return
         self._stores[block_hash] = DiskStore(block_hash, block_id, from_device)
+
+    def store_cached_blocks(self, pool: BlockPool, from_device: bool) -> None:
+        """Plan stores of every block the pool's prefix cache holds (free ones, oldest first, then held ones)."""
+        free = pool.free_block_queue.get_all_free_blocks()
+        held = [block for block in pool.blocks if block.ref_count > 0]
+        for block in [*free, *held]:
+            if block.block_hash is not None and pool.get_cached_block(block.block_hash) is block:
+                self.store(block.block_hash, block.block_id, from_device)
 
     def _drop_lru(self) -> bool:
         victim = next((h for h in self._lru if h not in self._pinned), None)

@@ -331,12 +331,8 @@ class KVCacheManager:
         when they do not all fit, the disk tier keeps the most recent. Take the plans with ``take_disk_plans``."""
         if self.disk_tier is None or self.host_tier is None or not self.enable_prefix_caching:
             return
-        for pool, from_device in ((self.host_tier.pool, False), (self.block_pool, True)):
-            free = pool.free_block_queue.get_all_free_blocks()
-            held = [block for block in pool.blocks if block.ref_count > 0]
-            for block in [*free, *held]:
-                if block.block_hash is not None and pool.get_cached_block(block.block_hash) is block:
-                    self.disk_tier.store(block.block_hash, block.block_id, from_device)
+        self.disk_tier.store_cached_blocks(self.host_tier.pool, from_device=False)
+        self.disk_tier.store_cached_blocks(self.block_pool, from_device=True)
 
     def take_disk_plans(self) -> KVDiskPlans:
         """The disk tier's plans since the last call, for this step's SchedulerOutput; unpins its loads."""
@@ -389,11 +385,7 @@ class KVCacheManager:
         problems = []
         if self.req_to_blocks:
             problems.append(f"requests still hold blocks: {sorted(self.req_to_blocks)}")
-        if self.get_num_free_blocks() != self.num_blocks:
-            problems.append(f"{self.get_num_free_blocks()} of {self.num_blocks} blocks free")
-        referenced = [(block.block_id, block.ref_count) for block in self.block_pool.blocks if block.ref_count != 0]
-        if referenced:
-            problems.append(f"(block id, ref_count) not 0: {referenced}")
+        problems.extend(self.block_pool.find_leaks())
         if self.host_tier is not None:
             problems.extend(f"host tier: {problem}" for problem in self.host_tier.find_leaks())
         if self.disk_tier is not None:

@@ -157,9 +157,7 @@ class HostKVTier:
             problems.append(f"swapped requests still hold host blocks: {sorted(self.swapped)}")
         if self._pinned or self._stores or self._loads:
             problems.append(f"plans not taken: {len(self._stores)} stores, {len(self._loads)} loads")
-        held = [(block.block_id, block.ref_count) for block in self.pool.blocks if block.ref_count != 0]
-        if held or self.pool.get_num_free_blocks() != self.pool.num_blocks:
-            problems.append(f"(host block id, ref_count) not 0: {held}")
+        problems.extend(self.pool.find_leaks())
         return problems
 
     def _plan_store(self, device_block_id: int, host_block_id: int) -> None:

@@ -26,12 +26,11 @@ from folio.core.block_hash import update_request_block_hashes
 from folio.core.fork_waitlist import ForkWaitlist
 from folio.core.kv_cache_manager import AllocationResult, KVCacheManager
 from folio.core.preemption import PreemptionStrategy
-from folio.core.prompt_logprobs import undelivered_prompt_logprobs
 from folio.core.request_queue import create_request_queue
+from folio.core.request_update import apply_sampled_tokens
 from folio.core.sched_output import (
     CachedRequestData,
     EngineCoreOutput,
-    LogprobsLists,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
@@ -39,7 +38,6 @@ from folio.core.sched_output import (
 from folio.core.sched_stats import SchedulerStats
 from folio.core.spec_decode import SpecDecodingStats, keep_drafts, roll_back_rejected, take_scheduled_drafts
 from folio.core.step_plan import StepPlan
-from folio.core.stop import check_stop
 from folio.request import Request, RequestStatus
 
 __all__ = ["Scheduler", "SchedulerStats"]
@@ -316,7 +314,17 @@ class Scheduler:
             )
             num_drafts = len(scheduler_output.scheduled_spec_decode_tokens.get(req_id, ()))
             roll_back_rejected(request, num_drafts, len(sampled), self.spec_decoding_stats, self.kv_cache_manager)
-            output = self._update_request(request, sampled, logprobs, model_runner_output.prompt_logprobs.get(req_id))
+            update = apply_sampled_tokens(
+                request,
+                sampled,
+                logprobs,
+                model_runner_output.prompt_logprobs.get(req_id),
+                self.kv_cache_manager,
+                self.max_model_len,
+            )
+            if update.stopped:
+                self._release(request)  # dropped from running below
+            output = update.output
             if request.status == RequestStatus.RUNNING:
                 keep_drafts(request, model_runner_output.draft_token_ids.get(req_id))
             if output is not None:
@@ -340,43 +348,6 @@ class Scheduler:
             self.kv_cache_manager.free(request)
             request.num_computed_tokens = 0
             self._requeue(request)
-
-    def _update_request(
-        self,
-        request: Request,
-        sampled_token_ids: list[int],
-        logprobs: LogprobsLists | None,
-        prompt_logprobs: LogprobsLists | None,
-    ) -> EngineCoreOutput | None:
-        new_token_ids: list[int] = []
-        stopped = False
-        for token_id in sampled_token_ids:
-            request.output_token_ids.append(token_id)
-            new_token_ids.append(token_id)
-            if check_stop(request, self.max_model_len):
-                stopped = True
-                break
-        if self.kv_cache_manager.enable_prefix_caching:
-            update_request_block_hashes(request, self.block_size)
-            self.kv_cache_manager.cache_computed_blocks(request)
-        if prompt_logprobs is not None:
-            prompt_logprobs = undelivered_prompt_logprobs(request, prompt_logprobs)
-        if logprobs is not None and len(new_token_ids) < len(logprobs.ranks):
-            logprobs = logprobs.rows(0, len(new_token_ids))  # tokens after a stop are dropped
-        if stopped:
-            self._release(request)  # the caller drops it from running
-        elif not new_token_ids and prompt_logprobs is None:
-            return None
-        return EngineCoreOutput(
-            request_id=request.request_id,
-            new_token_ids=new_token_ids,
-            finish_reason=request.get_finish_reason(),
-            stop_reason=request.stop_reason,
-            num_cached_tokens=max(0, request.num_cached_tokens),
-            new_logprobs=logprobs,
-            new_prompt_logprobs=prompt_logprobs,
-            queue_time=_queue_time(request),
-        )
 
     # ---------------------------------------------------------------- state for the engine and metrics
 
@@ -409,10 +380,3 @@ class Scheduler:
             num_kv_live_tokens=sum(request.num_computed_tokens for request in self.running),
             spec_decoding=self.spec_decoding_stats,
         )
-
-
-def _queue_time(request: Request) -> float | None:
-    """Seconds from arrival to first scheduling (both monotonic clocks: valid across the engine's processes)."""
-    if request.first_scheduled_time is None:
-        return None
-    return max(0.0, request.first_scheduled_time - request.arrival_time)

@@ -73,9 +73,9 @@ def plan_engines(
             placement = CorePlacement(num_cpu_threads=threads)
             cache = engine_config.cache_config
             if cache.kv_cache_memory_bytes is None and cache.num_gpu_blocks_override is None:
-                from folio.worker.worker import _default_cpu_kv_bytes
+                from folio.worker.kv_cache_shape import default_cpu_kv_bytes
 
-                cache.kv_cache_memory_bytes = _default_cpu_kv_bytes() // (data_parallel_size * tp)  # per rank
+                cache.kv_cache_memory_bytes = default_cpu_kv_bytes() // (data_parallel_size * tp)  # per rank
         plans.append((engine_config, placement))
     return plans
 
@@ -167,7 +167,7 @@ class DPEngineCoreClient:
 
 
 def _device_type(config: EngineConfig) -> str:
-    from folio.worker.worker import resolve_device
+    from folio.worker.device import resolve_device
 
     return resolve_device(config.device).type
 

@@ -186,7 +186,7 @@ def check_parallel_start(config: EngineConfig) -> None:
         return
     from folio.model.loader import read_model_spec
     from folio.parallel.tensor_parallel import check_tensor_parallel
-    from folio.worker.worker import resolve_device
+    from folio.worker.device import resolve_device
 
     spec = read_model_spec(config.model_config.model)
     check_tensor_parallel(spec, tp)

@@ -45,7 +45,8 @@ def run_worker(config: EngineConfig, rank: int, world_size: int, port: int, sche
     from folio.logger import init_logger
     from folio.parallel.group import RankGroup, init_rank_group
     from folio.parallel.pipeline_parallel import init_pipeline_ranks
-    from folio.worker.worker import Worker, resolve_device
+    from folio.worker.device import resolve_device
+    from folio.worker.worker import Worker
 
     init_logger()
     # The ranks share the machine's cores (CPU) unless OMP_NUM_THREADS says otherwise for each.

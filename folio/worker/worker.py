@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import logging
-import math
 import time
-from dataclasses import dataclass
 
 import torch
 
@@ -14,7 +12,6 @@ from folio.config import EngineConfig
 from folio.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from folio.kernels.cpu_kernels import CPU_KERNEL_DTYPES, CpuKernels, load_cpu_kernels
 from folio.kernels.cpu_plan import check_cpu_dtype
-from folio.kernels.hugepages import empty_hugepage_backed
 from folio.model.llama import LlamaForCausalLM
 from folio.model.loader import ModelSpec, load_model
 from folio.model.noop import NoopCausalLM
@@ -23,71 +20,14 @@ from folio.parallel.pipeline_parallel import PipelineStage, apply_pipeline_paral
 from folio.parallel.tensor_parallel import apply_tensor_parallel, local_num_kv_heads
 from folio.spec_decode.ngram_proposer import NgramProposer
 from folio.worker.cpu_threads import CpuThreadGovernor
+from folio.worker.device import resolve_device, resolve_dtype
 from folio.worker.draft_runner import DraftModelRunner, load_draft_model
+from folio.worker.kv_cache_shape import KVCacheShape, default_cpu_kv_bytes
 from folio.worker.kv_disk import DiskKVTransfer, open_disk_tier
 from folio.worker.kv_offload import HostKVCache, KVTransfer, mem_available_bytes, resolve_num_host_blocks
 from folio.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("folio")
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_DEFAULT_CPU_KV_BYTES = 4 * 2**30
-_CPU_KV_FRACTION_OF_FREE = 0.3
-# Layer l's CPU cache starts (l * 67 mod 1024) cache lines past a 2 MiB boundary: 1024 lines span the L2's set
-# index (64 KiB), 67 is odd so successive layers take distinct offsets.
-_LAYER_LINE_STRIDE, _LAYER_OFFSET_LINES = 67, 1024
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def resolve_dtype(name: str, checkpoint_dtype: str, device: torch.device) -> torch.dtype:
-    """auto: float32 on CPU (the fast type without AMX), the checkpoint's type on CUDA (float32 -> bfloat16)."""
-    if name != "auto":
-        return _DTYPES[name]
-    if device.type == "cpu":
-        return torch.float32
-    return _DTYPES.get(checkpoint_dtype, torch.bfloat16) if checkpoint_dtype != "float32" else torch.bfloat16
-
-
-@dataclass
-class KVCacheShape:
-    num_layers: int
-    block_size: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: torch.dtype
-    head_major: bool = False  # the attention backend's kv_cache_head_major
-
-    @property
-    def bytes_per_block(self) -> int:
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
-
-    def allocate(self, num_blocks: int, device: torch.device) -> list[torch.Tensor]:
-        """One cache per layer, always shaped [2, num_blocks, block_size, num_kv_heads, head_dim]; head-major
-        storage ([.., num_kv_heads, block_size, ..]) is handed out as that shape through a transposed view."""
-        if not self.head_major:
-            shape = (2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        else:
-            shape = (2, num_blocks, self.num_kv_heads, self.block_size, self.head_dim)
-        caches = [self._zeros(shape, layer, device) for layer in range(self.num_layers)]
-        return [cache.transpose(2, 3) for cache in caches] if self.head_major else caches
-
-    def _zeros(self, shape: tuple[int, ...], layer: int, device: torch.device) -> torch.Tensor:
-        """A zeroed layer cache. On the CPU it is backed by 2 MiB pages (a decode step reads every live block of
-        every layer, scattered over the cache: 4 KiB pages cost a TLB miss each) and starts a layer-dependent
-        number of cache lines past the page boundary, so that the same slot of successive layers does not land in
-        the same L2 sets (the GEMMs prefetch the next layer's blocks while this layer's are live). W1 bf16,
-        decode-only steps: 2.845 -> 2.707 s, decode attention 0.670 -> 0.608 (docs/performance.md)."""
-        if device.type != "cpu":
-            return torch.zeros(shape, dtype=self.dtype, device=device)
-        numel = math.prod(shape)
-        offset = (layer * _LAYER_LINE_STRIDE) % _LAYER_OFFSET_LINES * 64 // self.dtype.itemsize
-        backing = empty_hugepage_backed(numel + offset, self.dtype)
-        return backing[offset:].zero_().view(shape)
 
 
 class Worker:
@@ -323,7 +263,7 @@ class Worker:
         elif self.device.type == "cuda":
             budget = self._profile_cuda_budget()
         else:  # the ranks share the machine's RAM: each takes its share of the default
-            budget = _default_cpu_kv_bytes() // self.world.world_size
+            budget = default_cpu_kv_bytes() // self.world.world_size
         num_blocks = budget // self.bytes_per_block
         if num_blocks < 1:
             raise ValueError(
@@ -401,14 +341,3 @@ def profile_prefill_lens(num_tokens: int, max_model_len: int) -> list[int]:
     """
     seq_len = min(num_tokens, max_model_len)
     return [seq_len] * (num_tokens // seq_len) + ([num_tokens % seq_len] if num_tokens % seq_len else [])
-
-
-def _default_cpu_kv_bytes() -> int:
-    """A sensible share of free RAM, capped at 4 GiB (vLLM CPU's default KV space)."""
-    try:
-        with open("/proc/meminfo") as f:
-            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
-        available = info.get("MemAvailable", _DEFAULT_CPU_KV_BYTES)
-    except OSError:
-        available = _DEFAULT_CPU_KV_BYTES
-    return min(_DEFAULT_CPU_KV_BYTES, int(available * _CPU_KV_FRACTION_OF_FREE))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from folio.worker.worker import KVCacheShape
+from folio.worker.kv_cache_shape import KVCacheShape
 
 
 @pytest.mark.parametrize("head_major", [False, True])

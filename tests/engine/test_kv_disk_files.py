@@ -15,9 +15,9 @@ import torch
 from folio.cli import build_parser, engine_args_from
 from folio.config import CacheConfig, EngineArgs
 from folio.core.sched_output import DiskStore
+from folio.worker.kv_cache_shape import KVCacheShape
 from folio.worker.kv_disk import DiskKVFiles, DiskKVTransfer, kv_fingerprint, open_disk_tier, resolve_num_disk_blocks
 from folio.worker.kv_offload import HostKVCache, storage_view
-from folio.worker.worker import KVCacheShape
 
 DEVICES = [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
 LAYOUT = {"num_layers": 3, "block_size": 4, "num_kv_heads": 2, "head_dim": 8, "dtype": "torch.float32"}

@@ -14,8 +14,8 @@ from folio import LLM, SamplingParams
 from folio.cli import build_parser, engine_args_from
 from folio.config import EngineArgs
 from folio.core.sched_output import SchedulerOutput
+from folio.worker.kv_cache_shape import KVCacheShape
 from folio.worker.kv_offload import HostKVCache, KVTransfer, mem_available_bytes, resolve_num_host_blocks
-from folio.worker.worker import KVCacheShape
 from tests.engine.conftest import TEST_KV_BYTES
 
 CPU = torch.device("cpu")

@@ -13,7 +13,7 @@ from folio.attention.builder import build_attn_metadata, compute_positions
 from folio.kernels.cpu_kernels import load_cpu_kernels
 from folio.kernels.isa import IsaTier
 from folio.model.loader import load_model
-from folio.worker.worker import KVCacheShape
+from folio.worker.kv_cache_shape import KVCacheShape
 
 BLOCK_SIZE = 16
 

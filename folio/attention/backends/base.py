@@ -12,7 +12,7 @@ from folio.attention.metadata import AttnMetadata
 class AttentionBackend(Protocol):
     # The cache is always indexed as [2, num_blocks, block_size, num_kv_heads, head_dim]; a backend that reads
     # whole KV-head runs faster asks for storage laid out [2, num_blocks, num_kv_heads, block_size, head_dim]
-    # and gets that logical shape as a transposed view (folio.worker.worker.KVCacheShape.allocate).
+    # and gets that logical shape as a transposed view (folio.worker.kv_cache_shape.KVCacheShape.allocate).
     kv_cache_head_major: bool
 
     def forward(
