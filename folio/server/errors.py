@@ -10,6 +10,7 @@ import contextlib
 import json
 import logging
 import re
+import traceback
 from collections.abc import Collection, Sequence
 from http import HTTPStatus
 from typing import Any
@@ -192,8 +193,10 @@ def install_exception_handlers(app: FastAPI) -> None:
     async def on_unexpected(_: Request, exc: Exception) -> JSONResponse:
         """The last resort: it must answer whatever ``exc`` holds, so nothing here may raise."""
         # A broken log handler or an exception whose str() raises must not stop the 500 from going out.
+        # The traceback is made encodable too: a lone surrogate in a log record breaks UTF-8 log files and pipes.
         with contextlib.suppress(Exception):
-            logger.exception("unexpected error while serving a request")
+            trace = "".join(traceback.format_exception(exc))
+            logger.error("unexpected error while serving a request\n%s", encodable(trace.rstrip()))
         return APIError(500, f"internal server error: {_describe(exc)}").to_response()
 
     app.add_exception_handler(APIError, on_api_error)
