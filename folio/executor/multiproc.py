@@ -26,7 +26,7 @@ from typing import Any, NoReturn
 
 from folio.config import EngineConfig
 from folio.core.sched_output import ModelRunnerOutput, SchedulerOutput
-from folio.executor.worker_proc import WorkerFailed, WorkerReady, run_worker
+from folio.executor.worker_proc import WorkerFailed, WorkerReady, apply_ready, run_worker
 from folio.model.spec import ModelSpec
 from folio.parallel.stages import PP_FLAG, check_pipeline_parallel, output_rank
 from folio.step_timer import StepTimer
@@ -46,7 +46,7 @@ class MultiProcExecutor:
         check_parallel_start(config)
         _allow_children()
         ctx = multiprocessing.get_context("spawn")
-        port = _free_port()
+        port = free_port()
         self._procs: list[Any] = []
         self._to_workers: list[Any] = []
         self._from_workers: list[Any] = []
@@ -68,9 +68,7 @@ class MultiProcExecutor:
         self._stop = weakref.finalize(self, _stop_workers, self._procs, self._to_workers, self._from_workers)
         self._failure: str | None = None
         ready = self._wait_ready()
-        cache = config.cache_config
-        cache.num_blocks, cache.num_host_blocks = ready.num_blocks, ready.num_host_blocks
-        cache.num_disk_blocks, cache.disk_block_hashes = ready.num_disk_blocks, ready.disk_block_hashes
+        apply_ready(config, ready)
         self._model_spec = ready.model_spec
 
     @property
@@ -178,8 +176,9 @@ class MultiProcExecutor:
         raise RuntimeError(message)
 
 
-def check_parallel_start(config: EngineConfig) -> None:
-    """Bad parallel settings as a ValueError naming the flag and the limit, before any process starts."""
+def check_parallel_start(config: EngineConfig, count_local_gpus: bool = True) -> None:
+    """Bad parallel settings as a ValueError naming the flag and the limit, before any process starts. The Ray
+    executor counts its cluster's devices instead of this machine's GPUs (count_local_gpus False)."""
     parallel = config.parallel_config
     world_size, tp, pp = parallel.world_size, parallel.tensor_parallel_size, parallel.pipeline_parallel_size
     if world_size == 1:
@@ -191,15 +190,21 @@ def check_parallel_start(config: EngineConfig) -> None:
     spec = read_model_spec(config.model_config.model)
     check_tensor_parallel(spec, tp)
     check_pipeline_parallel(spec.num_hidden_layers, pp)
-    if resolve_device(config.device).type == "cuda":
+    if count_local_gpus and resolve_device(config.device).type == "cuda":
         import torch
 
-        num_gpus = torch.cuda.device_count()
-        if world_size > num_gpus:
-            setting = f"tensor_parallel_size (--tensor-parallel-size) {tp}" if pp == 1 else f"{PP_FLAG} {pp}"
-            if tp > 1 and pp > 1:
-                setting = f"tensor_parallel_size x pipeline_parallel_size ({tp} x {pp} = {world_size} ranks)"
-            raise ValueError(f"{setting} needs one GPU per rank; this machine has {num_gpus}")
+        check_num_devices(config, "GPU", torch.cuda.device_count(), "this machine")
+
+
+def check_num_devices(config: EngineConfig, device: str, available: float, where: str) -> None:
+    """One device per rank: a ValueError naming the flag(s) and what ``where`` has."""
+    parallel = config.parallel_config
+    world_size, tp, pp = parallel.world_size, parallel.tensor_parallel_size, parallel.pipeline_parallel_size
+    if world_size > available:
+        setting = f"tensor_parallel_size (--tensor-parallel-size) {tp}" if pp == 1 else f"{PP_FLAG} {pp}"
+        if tp > 1 and pp > 1:
+            setting = f"tensor_parallel_size x pipeline_parallel_size ({tp} x {pp} = {world_size} ranks)"
+        raise ValueError(f"{setting} needs one {device} per rank; {where} has {available:g}")
 
 
 def _allow_children() -> None:
@@ -210,10 +215,11 @@ def _allow_children() -> None:
         current.daemon = False
 
 
-def _free_port() -> int:
-    """A free TCP port on 127.0.0.1 for the rank group's rendezvous (rank 0 binds it moments later)."""
+def free_port(host: str = "127.0.0.1") -> int:
+    """A free TCP port on host (an address of this machine) for the rank group's rendezvous (rank 0, on this
+    machine, binds it moments later)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind((host, 0))
         return int(sock.getsockname()[1])
 
 
