@@ -91,7 +91,7 @@ def _hop_worker(rank: int, port: int, repeats: int, out: Any) -> None:
 def _hop_ms(repeats: int = 500) -> float:
     import multiprocessing
 
-    from folio.executor.multiproc import free_port
+    from folio.executor.distributed import free_port
 
     ctx = multiprocessing.get_context("spawn")
     queue, port = ctx.Queue(), free_port()

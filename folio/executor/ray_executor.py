@@ -22,15 +22,12 @@ import os
 import re
 import time
 import weakref
-from typing import Any, NoReturn
+from typing import Any
 
 from folio.config import EngineConfig
 from folio.core.sched_output import ModelRunnerOutput, SchedulerOutput
-from folio.executor.multiproc import check_num_devices, check_parallel_start, free_port
+from folio.executor.distributed import DistributedExecutor, check_num_devices, check_parallel_start, free_port
 from folio.executor.worker_proc import WorkerReady, apply_ready, is_output_rank, ready_message, start_worker
-from folio.model.spec import ModelSpec
-from folio.parallel.stages import output_rank
-from folio.step_timer import StepTimer
 
 logger = logging.getLogger("folio")
 
@@ -76,14 +73,12 @@ class RayWorker:
         """Answers once the actor is idle: a liveness probe."""
 
 
-class RayExecutor:
+class RayExecutor(DistributedExecutor):
     def __init__(self, config: EngineConfig) -> None:
         from folio.worker.worker import resolve_device
 
+        super().__init__(config)
         parallel = config.parallel_config
-        self.world_size = parallel.world_size
-        self.pipeline_parallel_size = parallel.pipeline_parallel_size
-        self.output_rank = output_rank(parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
         check_parallel_start(config, count_local_gpus=False)
         self._ray = ray = import_ray()
         if not ray.is_initialized():  # else: the caller's connection (it chose the cluster)
@@ -93,8 +88,8 @@ class RayExecutor:
         check_num_devices(config, resource, ray.cluster_resources().get(resource, 0.0), "the Ray cluster")
         host = ray.util.get_node_ip_address()  # the driver's node: rank 0 is placed there and listens on it
         self._placement_group = _place(ray, resource, self.world_size, host)
-        self._failure: str | None = None
         self._actors = _start_actors(ray, RayWorker, self._placement_group, self.world_size, on_gpu)
+        # shutdown(): kills the actors, frees the placement group
         self._stop = weakref.finalize(self, _stop_actors, ray, self._actors, self._placement_group)
         self._rank_of: dict[Any, int] = {}  # the outstanding tasks (every rank's) -> their rank
         self.worker_pids: list[int | None] = [None] * self.world_size  # the actors' processes (on their nodes)
@@ -113,26 +108,9 @@ class RayExecutor:
             "Ray: %d ranks on %d node(s) %s, rendezvous at %s:%d", self.world_size, len(nodes), nodes, host, port
         )
 
-    @property
-    def model_spec(self) -> ModelSpec:
-        return self._model_spec
-
-    def set_step_timer(self, timer: StepTimer | None) -> None:
-        """The step's phases run in the actors: no per-phase timings here."""
-
-    @property
-    def max_concurrent_batches(self) -> int:
-        """Pipeline parallelism: one batch per stage in flight (vLLM's rule, as the mp executor)."""
-        return self.pipeline_parallel_size
-
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        self.submit(scheduler_output)
-        return self.collect()
-
     def submit(self, scheduler_output: SchedulerOutput) -> None:
         """The step to every actor (a task each, run in submission order); does not wait for its output."""
-        if self._failure is not None:
-            raise RuntimeError(self._failure)
+        self._raise_if_failed()
         for rank, actor in enumerate(self._actors):
             ref = actor.execute_model.remote(scheduler_output)
             self._rank_of[ref] = rank
@@ -141,8 +119,7 @@ class RayExecutor:
 
     def collect(self) -> ModelRunnerOutput:
         """The oldest submitted step's ModelRunnerOutput, watching every rank's outstanding task meanwhile."""
-        if self._failure is not None:
-            raise RuntimeError(self._failure)
+        self._raise_if_failed()
         target = self._outputs.popleft()
         while True:  # the other ranks' tasks (a death shows there first), then this step's output
             watch = [ref for ref, rank in self._rank_of.items() if rank != self.output_rank] + [target]
@@ -152,12 +129,6 @@ class RayExecutor:
                 if ref == target:
                     assert isinstance(value, ModelRunnerOutput)
                     return value
-
-    def shutdown(self) -> None:
-        """Kills the actors and frees the placement group. Idempotent."""
-        if self._failure is None:
-            self._failure = "the executor was shut down"
-        self._stop()
 
     def _wait_all(self, refs: list[Any], timeout_s: float) -> list[Any]:
         """Every task's value, in order; the first failure raises at once (a bad configuration as ValueError)."""
@@ -209,12 +180,6 @@ class RayExecutor:
         how = f"exit type {exit_type.group(1)}" if exit_type else str(error).strip().splitlines()[0]
         pid = "?" if self.worker_pids[rank] is None else self.worker_pids[rank]
         return f"worker rank {rank} (pid {pid}) died (Ray actor on node {self.node_ids[rank][:8]}, {how})"
-
-    def _fail(self, message: str) -> NoReturn:
-        self._failure = message
-        logger.error("%s: stopping the other Ray actors", message)
-        self.shutdown()
-        raise RuntimeError(message)
 
 
 def import_ray() -> Any:

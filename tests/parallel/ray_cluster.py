@@ -59,7 +59,8 @@ class LocalRayCluster:
             f"--temp-dir={self.temp_dir}",  # short: Ray's socket paths must fit in 107 bytes
             *common,
         )
-        self._ray("start", f"--address={self.address}", *common)
+        # one log monitor for the machine: both nodes write to the head's session dir (two would print each line twice)
+        self._ray("start", f"--address={self.address}", "--include-log-monitor=false", *common)
 
     def stop(self) -> None:
         """Kills the cluster's processes (the head's and the node's daemons, their actors and workers)."""
