@@ -45,18 +45,17 @@ class RayWorker:
 
     def describe(self) -> tuple[int, str, str]:
         """(pid, node id, node IP) of the actor's process."""
-        import ray
-
+        ray = import_ray()
         return os.getpid(), ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
 
     def start(self, config: EngineConfig, rank: int, host: str, port: int, on_gpu: bool) -> WorkerReady:
         """Joins the rank group (rank 0 at host:port) and builds the Worker. The thread count is the CPUs Ray gave
         this actor (its bundle's); on CUDA Ray shows it its one GPU, device 0."""
-        import ray
         import torch
 
         from folio.logger import init_logger
 
+        ray = import_ray()
         init_logger()
         num_cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 1.0)
         torch.set_num_threads(max(1, int(num_cpus)))
