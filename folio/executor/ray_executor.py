@@ -165,6 +165,8 @@ class RayExecutor(DistributedExecutor):
         """The death of another rank than ``rank``, if a liveness probe finds one within a few seconds."""
         ray = self._ray
         probes = {actor.ping.remote(): r for r, actor in enumerate(self._actors) if r != rank}
+        if not probes:
+            return None
         ready, _ = ray.wait(list(probes), num_returns=len(probes), timeout=_PING_TIMEOUT_S)
         for ref in ready:
             try:
