@@ -91,10 +91,10 @@ def _hop_worker(rank: int, port: int, repeats: int, out: Any) -> None:
 def _hop_ms(repeats: int = 500) -> float:
     import multiprocessing
 
-    from folio.executor.multiproc import _free_port
+    from folio.executor.distributed import free_port
 
     ctx = multiprocessing.get_context("spawn")
-    queue, port = ctx.Queue(), _free_port()
+    queue, port = ctx.Queue(), free_port()
     procs = [ctx.Process(target=_hop_worker, args=(r, port, repeats, queue)) for r in range(2)]
     for proc in procs:
         proc.start()

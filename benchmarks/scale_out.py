@@ -1,6 +1,7 @@
 """Costs of the multiprocess executor and of tensor parallelism on this machine (docs/scale_out.md).
 
-broadcast: the per-step cost of moving a step to worker processes. The no-op model (model_impl="noop": the real
+broadcast: the per-step cost of moving a step to worker processes (and, given --ray-address, to Ray actors: a
+cluster with 3 free CPUs). The no-op model (model_impl="noop": the real
 shapes, no forward work) runs the same decode-only batches with the worker in the engine's process (uni) and in
 1 or 3 worker processes (mp): the difference in step time is the hop (pickle the SchedulerOutput once, write it
 to every rank's pipe, unpickle, rank 0's ModelRunnerOutput back). It also prints the pickled size of one step.
@@ -9,6 +10,7 @@ decode: the real model's decode step at tp=1 (fused CPU decoder, and layer by la
 tp=N (layer by layer, gloo collectives between the ranks), plus one gloo all-reduce of a decode row.
 
     OMP_NUM_THREADS=1 python benchmarks/scale_out.py broadcast
+    OMP_NUM_THREADS=1 python benchmarks/scale_out.py broadcast --ray-address 127.0.0.1:6379   # + the Ray executor
     OMP_NUM_THREADS=1 python benchmarks/scale_out.py decode --tp 3
 """
 
@@ -69,13 +71,17 @@ def _median_ms(values: list[float]) -> float:
 
 def broadcast(args: argparse.Namespace) -> None:
     print("executor    ranks  batch  step median ms  pickled step bytes  pickle.dumps us")
-    for backend, tp in (("uni", 1), ("mp", 1), ("mp", 3)):
+    settings = [("uni", 1), ("mp", 1), ("mp", 3)]
+    if args.ray_address:
+        settings += [("ray", 1), ("ray", 3)]
+    for backend, tp in settings:
         llm = LLM(
             model_impl="noop",
             kv_cache_memory_bytes=2**32,  # accounted, not allocated (the no-op model keeps no K/V): no preemption
             max_model_len=512,
             tensor_parallel_size=tp,
             distributed_executor_backend=backend,
+            ray_address=args.ray_address if backend == "ray" else None,
         )
         for batch in args.batches:
             rec = _decode_steps(llm, batch, args.num_tokens)
@@ -134,6 +140,7 @@ def main() -> None:
     b = sub.add_parser("broadcast")
     b.add_argument("--batches", type=int, nargs="+", default=[1, 64, 256])
     b.add_argument("--num-tokens", type=int, default=64)
+    b.add_argument("--ray-address", default=None, help="a Ray cluster's head (host:port): adds the Ray executor")
     d = sub.add_parser("decode")
     d.add_argument("--tp", type=int, default=3)
     d.add_argument("--batches", type=int, nargs="+", default=[1, 8])

@@ -6,6 +6,7 @@ and the KV-cache size happens in ``folio.engine`` / ``folio.worker``; the result
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
 
 from folio.kernels.isa import IsaTier, cpu_info, is_x86_64, resolve_cpu_isa
@@ -126,7 +127,7 @@ class CpuConfig:
         return resolve_cpu_isa(self.isa, cpu_info()[1], is_x86_64())
 
 
-DISTRIBUTED_EXECUTOR_BACKENDS = ("uni", "mp")
+DISTRIBUTED_EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 
 
 @dataclass
@@ -135,9 +136,13 @@ class ParallelConfig:
 
     tensor_parallel_size: int = 1
     # "uni": the worker in the engine core's process (one rank only); "mp": one worker process per rank
-    # (folio/executor/multiproc.py). None: "uni" for one rank, "mp" above.
+    # (folio/executor/multiproc.py); "ray": one Ray actor per rank (folio/executor/ray_executor.py). None: "uni" for
+    # one rank, "mp" above.
     distributed_executor_backend: str | None = None
     pipeline_parallel_size: int = 1  # stages of contiguous layers (folio/parallel/pipeline_parallel.py)
+    # "ray": the cluster to join ("host:port" of its head); None: the process's current Ray connection, else
+    # ray.init()'s own search (RAY_ADDRESS, the cluster `ray start` last started here, or a new local one)
+    ray_address: str | None = None
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
@@ -151,6 +156,8 @@ class ParallelConfig:
                 f"distributed_executor_backend must be one of {DISTRIBUTED_EXECUTOR_BACKENDS}, "
                 f"got {self.distributed_executor_backend!r}"
             )
+        if self.distributed_executor_backend == "ray" and importlib.util.find_spec("ray") is None:
+            raise ValueError("distributed_executor_backend 'ray' needs Ray: pip install -e .[ray]")
         if self.distributed_executor_backend == "uni" and self.world_size > 1:
             flag = "tensor_parallel_size" if self.pipeline_parallel_size == 1 else "pipeline_parallel_size"
             size = self.tensor_parallel_size if self.pipeline_parallel_size == 1 else self.pipeline_parallel_size
@@ -242,8 +249,9 @@ class EngineArgs:
     # names), or a SpeculativeConfig; None: off
     speculative_config: SpeculativeConfig | dict[str, object] | None = None
     tensor_parallel_size: int = 1  # ranks that split every layer (folio/parallel/tensor_parallel.py)
-    distributed_executor_backend: str | None = None  # "uni" or "mp"; None: "uni" for one rank, "mp" above
+    distributed_executor_backend: str | None = None  # "uni", "mp" or "ray"; None: "uni" for one rank, "mp" above
     pipeline_parallel_size: int = 1  # stages of contiguous layers, one rank each (folio/parallel/pipeline_parallel.py)
+    ray_address: str | None = None  # "ray": the cluster's head "host:port" (ParallelConfig.ray_address)
 
     def _check_draft_model_combinations(self) -> None:
         """The host / disk KV tiers keep the target's K/V only (a draft's would be lost), the no-op model no K/V."""
@@ -288,7 +296,7 @@ class EngineArgs:
         if self.preemption_mode == "swap" and self.kv_offloading_size == 0:
             raise ValueError("preemption_mode 'swap' needs a host KV tier: set kv_offloading_size (GiB) > 0")
         parallel_config = ParallelConfig(
-            self.tensor_parallel_size, self.distributed_executor_backend, self.pipeline_parallel_size
+            self.tensor_parallel_size, self.distributed_executor_backend, self.pipeline_parallel_size, self.ray_address
         )
         if parallel_config.world_size > 1 and self.kv_offloading_size > 0:
             flag = "tensor_parallel_size" if self.pipeline_parallel_size == 1 else "pipeline_parallel_size"

@@ -169,7 +169,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=d.distributed_executor_backend,
         choices=DISTRIBUTED_EXECUTOR_BACKENDS,
         help="uni: the worker runs in the engine core's process (one rank); mp: one worker process per rank, "
-        "torch.distributed between them (default: uni for one rank, mp above)",
+        "torch.distributed between them; ray: one Ray actor per rank, placed on the Ray cluster's nodes (needs "
+        "pip install -e .[ray]) (default: uni for one rank, mp above)",
+    )
+    g.add_argument(
+        "--ray-address",
+        default=d.ray_address,
+        help="with --distributed-executor-backend ray: the Ray cluster's head, host:port (default: Ray's own "
+        "search: RAY_ADDRESS, else the cluster `ray start` started on this machine, else a new local one)",
     )
 
 

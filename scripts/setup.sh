@@ -9,7 +9,8 @@ PIP=".venv/bin/python -m pip"
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   $PIP install -q torch==2.13.0
 fi
-$PIP install -q -e ".[dev]"
+# ray: the Ray executor's tests (tests/parallel/test_ray_executor.py); ~7 s here (a 79 MB wheel and its small dependencies)
+$PIP install -q -e ".[dev,ray]"
 # xgrammar, the other structured-outputs backend (--structured-outputs-config '{"backend": "xgrammar"}'): without
 # its declared dependencies, which pull triton (~1 GB with CUDA libraries) that it does not need on the CPU. Its
 # runtime needs are torch, transformers, pydantic, numpy (above) and apache-tvm-ffi.

@@ -1,5 +1,6 @@
-"""Executors run the model for the engine core: the worker in the core's own process (uniproc) or one worker
-process per rank (multiproc). One interface, so the engine core never knows how many ranks there are."""
+"""Executors run the model for the engine core: the worker in the core's own process (uniproc), one worker
+process per rank (multiproc) or one Ray actor per rank (ray_executor). One interface, so the engine core never
+knows how many ranks there are."""
 
 from __future__ import annotations
 
@@ -41,6 +42,10 @@ def make_executor(config: EngineConfig) -> Executor:
         from folio.executor.multiproc import MultiProcExecutor
 
         return MultiProcExecutor(config)
+    if config.parallel_config.distributed_executor_backend == "ray":
+        from folio.executor.ray_executor import RayExecutor
+
+        return RayExecutor(config)
     from folio.executor.uniproc import UniProcExecutor
 
     return UniProcExecutor(config)

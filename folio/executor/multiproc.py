@@ -15,38 +15,29 @@ microseconds (docs/scale_out.md), small beside a step; a shared-memory ring (vLL
 from __future__ import annotations
 
 import contextlib
-import logging
 import multiprocessing
 import multiprocessing.connection
 import pickle
-import socket
 import time
 import weakref
 from typing import Any, NoReturn
 
 from folio.config import EngineConfig
 from folio.core.sched_output import ModelRunnerOutput, SchedulerOutput
-from folio.executor.worker_proc import WorkerFailed, WorkerReady, run_worker
-from folio.model.spec import ModelSpec
-from folio.parallel.stages import PP_FLAG, check_pipeline_parallel, output_rank
-from folio.step_timer import StepTimer
-
-logger = logging.getLogger("folio")
+from folio.executor.distributed import DistributedExecutor, check_parallel_start, free_port
+from folio.executor.worker_proc import WorkerFailed, WorkerReady, apply_ready, run_worker
 
 _READY_TIMEOUT_S = 600.0
 _STOP_TIMEOUT_S = 5.0
 
 
-class MultiProcExecutor:
+class MultiProcExecutor(DistributedExecutor):
     def __init__(self, config: EngineConfig) -> None:
-        parallel = config.parallel_config
-        self.world_size = parallel.world_size
-        self.pipeline_parallel_size = parallel.pipeline_parallel_size
-        self.output_rank = output_rank(parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
+        super().__init__(config)
         check_parallel_start(config)
         _allow_children()
         ctx = multiprocessing.get_context("spawn")
-        port = _free_port()
+        port = free_port()
         self._procs: list[Any] = []
         self._to_workers: list[Any] = []
         self._from_workers: list[Any] = []
@@ -65,38 +56,19 @@ class MultiProcExecutor:
             self._procs.append(proc)
             self._to_workers.append(sched_in)
             self._from_workers.append(results_out)
+        # shutdown(): tells every worker to stop, kills those still alive after a few seconds
         self._stop = weakref.finalize(self, _stop_workers, self._procs, self._to_workers, self._from_workers)
-        self._failure: str | None = None
         ready = self._wait_ready()
-        cache = config.cache_config
-        cache.num_blocks, cache.num_host_blocks = ready.num_blocks, ready.num_host_blocks
-        cache.num_disk_blocks, cache.disk_block_hashes = ready.num_disk_blocks, ready.disk_block_hashes
+        apply_ready(config, ready)
         self._model_spec = ready.model_spec
-
-    @property
-    def model_spec(self) -> ModelSpec:
-        return self._model_spec
 
     @property
     def worker_pids(self) -> list[int]:
         return [proc.pid for proc in self._procs]
 
-    def set_step_timer(self, timer: StepTimer | None) -> None:
-        """The step's phases run in the worker processes: no per-phase timings here."""
-
-    @property
-    def max_concurrent_batches(self) -> int:
-        """Pipeline parallelism: one batch per stage in flight, so that every stage has work (vLLM's rule)."""
-        return self.pipeline_parallel_size
-
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        self.submit(scheduler_output)
-        return self.collect()
-
     def submit(self, scheduler_output: SchedulerOutput) -> None:
         """The step's pickled SchedulerOutput down every rank's pipe; does not wait for its output."""
-        if self._failure is not None:
-            raise RuntimeError(self._failure)
+        self._raise_if_failed()
         payload = pickle.dumps(scheduler_output, protocol=pickle.HIGHEST_PROTOCOL)
         for rank, conn in enumerate(self._to_workers):
             try:
@@ -106,18 +78,11 @@ class MultiProcExecutor:
 
     def collect(self) -> ModelRunnerOutput:
         """The oldest submitted step's ModelRunnerOutput (the output rank answers the steps in order)."""
-        if self._failure is not None:
-            raise RuntimeError(self._failure)
+        self._raise_if_failed()
         rank, message = self._receive()
         if rank != self.output_rank or not isinstance(message, ModelRunnerOutput):
             self._fail(f"worker rank {rank} sent an unexpected {type(message).__name__}")
         return message
-
-    def shutdown(self) -> None:
-        """Tells every worker to stop, kills those still alive after a few seconds. Idempotent."""
-        if self._failure is None:
-            self._failure = "the executor was shut down"
-        self._stop()
 
     def _wait_ready(self) -> WorkerReady:
         """Every rank's WorkerReady (rank 0's returned); a failure raises (ValueError for a bad configuration)."""
@@ -171,36 +136,6 @@ class MultiProcExecutor:
         proc.join(1.0)  # its exit code is known once it is reaped
         return f"worker rank {rank} (pid {proc.pid}) died (exit code {proc.exitcode})"
 
-    def _fail(self, message: str) -> NoReturn:
-        self._failure = message
-        logger.error("%s: stopping the other workers", message)
-        self.shutdown()
-        raise RuntimeError(message)
-
-
-def check_parallel_start(config: EngineConfig) -> None:
-    """Bad parallel settings as a ValueError naming the flag and the limit, before any process starts."""
-    parallel = config.parallel_config
-    world_size, tp, pp = parallel.world_size, parallel.tensor_parallel_size, parallel.pipeline_parallel_size
-    if world_size == 1:
-        return
-    from folio.model.loader import read_model_spec
-    from folio.parallel.tensor_parallel import check_tensor_parallel
-    from folio.worker.device import resolve_device
-
-    spec = read_model_spec(config.model_config.model)
-    check_tensor_parallel(spec, tp)
-    check_pipeline_parallel(spec.num_hidden_layers, pp)
-    if resolve_device(config.device).type == "cuda":
-        import torch
-
-        num_gpus = torch.cuda.device_count()
-        if world_size > num_gpus:
-            setting = f"tensor_parallel_size (--tensor-parallel-size) {tp}" if pp == 1 else f"{PP_FLAG} {pp}"
-            if tp > 1 and pp > 1:
-                setting = f"tensor_parallel_size x pipeline_parallel_size ({tp} x {pp} = {world_size} ranks)"
-            raise ValueError(f"{setting} needs one GPU per rank; this machine has {num_gpus}")
-
 
 def _allow_children() -> None:
     """The serving engine core is a daemon process (it dies with the server) and Python refuses children to a
@@ -208,13 +143,6 @@ def _allow_children() -> None:
     current = multiprocessing.current_process()
     if current.daemon:
         current.daemon = False
-
-
-def _free_port() -> int:
-    """A free TCP port on 127.0.0.1 for the rank group's rendezvous (rank 0 binds it moments later)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _stop_workers(procs: list[Any], to_workers: list[Any], from_workers: list[Any]) -> None:

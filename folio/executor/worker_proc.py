@@ -43,40 +43,66 @@ def run_worker(config: EngineConfig, rank: int, world_size: int, port: int, sche
     import torch
 
     from folio.logger import init_logger
-    from folio.parallel.group import RankGroup, init_rank_group
-    from folio.parallel.pipeline_parallel import init_pipeline_ranks
-    from folio.worker.device import resolve_device
-    from folio.worker.worker import Worker
 
     init_logger()
     # The ranks share the machine's cores (CPU) unless OMP_NUM_THREADS says otherwise for each.
     torch.set_num_threads(max(1, torch.get_num_threads() // world_size))
-    pp_size = config.parallel_config.pipeline_parallel_size
     try:
-        device_type = resolve_device(config.device).type
-        stage = None
-        if pp_size > 1:
-            tp_size = config.parallel_config.tensor_parallel_size
-            group, stage = init_pipeline_ranks(rank, tp_size, pp_size, port, device_type)
-        else:
-            group = init_rank_group(rank, world_size, port, device_type) if world_size > 1 else RankGroup(0, 1)
-        worker = Worker(config, group, stage)
+        worker = start_worker(config, rank, world_size, "127.0.0.1", port)
     except Exception as e:
         _report_failure(results_out, rank, e, str(e))
         os._exit(1)
-    cache = config.cache_config
-    results_out.send(
-        WorkerReady(
-            rank, worker.spec, cache.num_blocks, cache.num_host_blocks, cache.num_disk_blocks, cache.disk_block_hashes
-        )
-    )
+    results_out.send(ready_message(config, rank, worker))
     try:
-        _serve(worker, rank == output_rank(config.parallel_config.tensor_parallel_size, pp_size), sched_in, results_out)
+        _serve(worker, is_output_rank(config, rank), sched_in, results_out)
     except (EOFError, BrokenPipeError, KeyboardInterrupt):
         os._exit(0)  # the core went away: nothing left to serve
     except Exception as e:
         _report_failure(results_out, rank, e, traceback.format_exc())
         os._exit(1)
+
+
+def start_worker(
+    config: EngineConfig, rank: int, world_size: int, host: str, port: int, gpu_index: int | None = None
+) -> Any:
+    """Joins the rank group whose rank 0 listens on host:port (and the pipeline's groups), then builds this rank's
+    Worker. Shared by the worker processes here and the Ray actors (folio/executor/ray_executor.py); gpu_index:
+    the CUDA device this rank uses (None: its rank, every GPU of the machine visible)."""
+    from folio.parallel.group import RankGroup, init_rank_group
+    from folio.parallel.pipeline_parallel import init_pipeline_ranks
+    from folio.worker.device import resolve_device
+    from folio.worker.worker import Worker
+
+    parallel = config.parallel_config
+    device_type = resolve_device(config.device).type
+    stage = None
+    if parallel.pipeline_parallel_size > 1:
+        tp_size, pp_size = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
+        group, stage = init_pipeline_ranks(rank, tp_size, pp_size, port, device_type, host)
+    else:
+        group = init_rank_group(rank, world_size, port, device_type, host) if world_size > 1 else RankGroup(0, 1)
+    return Worker(config, group, stage, gpu_index)
+
+
+def ready_message(config: EngineConfig, rank: int, worker: Any) -> WorkerReady:
+    """What the executor learns once a rank is built: the model and the KV cache's size (the ranks agreed on it)."""
+    cache = config.cache_config
+    return WorkerReady(
+        rank, worker.spec, cache.num_blocks, cache.num_host_blocks, cache.num_disk_blocks, cache.disk_block_hashes
+    )
+
+
+def apply_ready(config: EngineConfig, ready: WorkerReady) -> None:
+    """The executor's side of ready_message: the block counts the ranks resolved, for the engine core's scheduler."""
+    cache = config.cache_config
+    cache.num_blocks, cache.num_host_blocks = ready.num_blocks, ready.num_host_blocks
+    cache.num_disk_blocks, cache.disk_block_hashes = ready.num_disk_blocks, ready.disk_block_hashes
+
+
+def is_output_rank(config: EngineConfig, rank: int) -> bool:
+    """Whether this rank's ModelRunnerOutputs go back to the engine core (folio/parallel/stages.py)."""
+    parallel = config.parallel_config
+    return rank == output_rank(parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
 
 
 def _serve(worker: Any, sends_output: bool, sched_in: Any, results_out: Any) -> None:

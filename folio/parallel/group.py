@@ -1,7 +1,8 @@
 """The ranks that share one model (a torch.distributed process group) and the few collectives the model uses.
 
-Each worker process of the multiprocess executor joins one group at start (gloo on the CPU, NCCL on CUDA) over
-TCP on 127.0.0.1; the group object is passed to the layers that need it, never looked up from a global.
+Each worker process of the multiprocess executor (or Ray actor) joins one group at start (gloo on the CPU, NCCL on
+CUDA) over TCP (127.0.0.1 on one machine); the group object is passed to the layers that need it, never looked up
+from a global.
 """
 
 from __future__ import annotations
@@ -50,12 +51,13 @@ class RankGroup:
         return int(t.item())
 
 
-def init_rank_group(rank: int, world_size: int, port: int, device_type: str) -> RankGroup:
-    """Joins the group of world_size ranks whose rank 0 listens on 127.0.0.1:port (gloo on the CPU, NCCL on CUDA)."""
+def init_rank_group(rank: int, world_size: int, port: int, device_type: str, host: str = "127.0.0.1") -> RankGroup:
+    """Joins the group of world_size ranks whose rank 0 listens on host:port (gloo on the CPU, NCCL on CUDA); the
+    host is 127.0.0.1 for one machine's worker processes, the driver node's IP under Ray."""
     backend = "nccl" if device_type == "cuda" else "gloo"
     dist.init_process_group(
         backend,
-        init_method=f"tcp://127.0.0.1:{port}",
+        init_method=f"tcp://{host}:{port}",
         rank=rank,
         world_size=world_size,
         timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),

@@ -76,11 +76,11 @@ class PipelineStage:
 
 
 def init_pipeline_ranks(
-    rank: int, tp_size: int, pp_size: int, port: int, device_type: str
+    rank: int, tp_size: int, pp_size: int, port: int, device_type: str, host: str = "127.0.0.1"
 ) -> tuple[RankGroup, PipelineStage]:
     """Joins the engine's group of tp * pp ranks, then its stage's tensor-parallel group (rank = pp_rank * tp +
     tp_rank: folio/parallel/stages.py). Every rank creates every stage's group, in order (torch.distributed's rule)."""
-    world = init_rank_group(rank, tp_size * pp_size, port, device_type)
+    world = init_rank_group(rank, tp_size * pp_size, port, device_type, host)
     pp_rank, tp_rank = divmod(rank, tp_size)
     tp_group = RankGroup(0, 1)
     if tp_size > 1:

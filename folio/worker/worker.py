@@ -32,17 +32,22 @@ logger = logging.getLogger("folio")
 
 class Worker:
     def __init__(
-        self, config: EngineConfig, group: RankGroup | None = None, stage: PipelineStage | None = None
+        self,
+        config: EngineConfig,
+        group: RankGroup | None = None,
+        stage: PipelineStage | None = None,
+        gpu_index: int | None = None,
     ) -> None:
         """``group``: this worker's rank among the tensor-parallel ranks (None: the only rank); ``stage``: its
-        pipeline stage (None: no pipeline parallelism)."""
+        pipeline stage (None: no pipeline parallelism); ``gpu_index``: the CUDA device of this rank where it is not
+        its rank (a Ray actor sees only its own GPU: 0)."""
         self.config = config
         self.group = group if group is not None else RankGroup(0, 1)
         self.stage = stage
         self.world = stage.world if stage is not None else self.group  # every rank of the engine
         self.device = resolve_device(config.device)
-        if self.device.type == "cuda" and self.world.world_size > 1:
-            self.device = torch.device("cuda", self.world.rank)  # one GPU per rank
+        if self.device.type == "cuda" and (self.world.world_size > 1 or gpu_index is not None):
+            self.device = torch.device("cuda", self.world.rank if gpu_index is None else gpu_index)  # one GPU per rank
         if self.device.type == "cuda" and self.device.index is not None:
             torch.cuda.set_device(self.device)  # Triton launches and graph capture use the current device
         torch.manual_seed(config.model_config.seed)

@@ -52,7 +52,10 @@ def test_one_worker_process_gives_the_in_process_tokens(tiny_model: str, make_en
             {"tensor_parallel_size": 3, "distributed_executor_backend": "uni"},
             "distributed_executor_backend 'uni' runs one rank; tensor_parallel_size 3 needs 'mp'",
         ),
-        ({"distributed_executor_backend": "ray"}, r"distributed_executor_backend must be one of \('uni', 'mp'\)"),
+        (
+            {"distributed_executor_backend": "dask"},
+            r"distributed_executor_backend must be one of \('uni', 'mp', 'ray'\), got 'dask'",
+        ),
         (
             {"tensor_parallel_size": 3, "kv_offloading_size": 0.01},
             "kv_offloading_size with tensor_parallel_size > 1 is not supported yet",
