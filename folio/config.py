@@ -159,9 +159,14 @@ class ParallelConfig:
         if self.distributed_executor_backend == "ray" and importlib.util.find_spec("ray") is None:
             raise ValueError("distributed_executor_backend 'ray' needs Ray: pip install -e .[ray]")
         if self.distributed_executor_backend == "uni" and self.world_size > 1:
-            flag = "tensor_parallel_size" if self.pipeline_parallel_size == 1 else "pipeline_parallel_size"
-            size = self.tensor_parallel_size if self.pipeline_parallel_size == 1 else self.pipeline_parallel_size
-            raise ValueError(f"distributed_executor_backend 'uni' runs one rank; {flag} {size} needs 'mp'")
+            raise ValueError(f"distributed_executor_backend 'uni' runs one rank; {self.describe_ranks()} needs 'mp'")
+
+    def describe_ranks(self) -> str:
+        """The flags that make the ranks, for error messages: only the ones above 1 (both when both are)."""
+        tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
+        if tp > 1 and pp > 1:
+            return f"tensor_parallel_size x pipeline_parallel_size ({tp} x {pp} = {tp * pp} ranks)"
+        return f"pipeline_parallel_size {pp}" if pp > 1 else f"tensor_parallel_size {tp}"
 
     @property
     def world_size(self) -> int:
@@ -299,8 +304,10 @@ class EngineArgs:
             self.tensor_parallel_size, self.distributed_executor_backend, self.pipeline_parallel_size, self.ray_address
         )
         if parallel_config.world_size > 1 and self.kv_offloading_size > 0:
-            flag = "tensor_parallel_size" if self.pipeline_parallel_size == 1 else "pipeline_parallel_size"
-            raise ValueError(f"kv_offloading_size with {flag} > 1 is not supported yet: set one of them")
+            raise ValueError(
+                f"kv_offloading_size with {parallel_config.describe_ranks()} is not supported yet: "
+                "set kv_offloading_size 0 or one rank"
+            )
         if self.pipeline_parallel_size > 1:
             self._check_pipeline_combinations(speculative_config is not None)
         return EngineConfig(

@@ -131,6 +131,22 @@ class SamplingParams:
         return self.temperature < _GREEDY_EPS
 
     @property
+    def has_penalty(self) -> bool:
+        """Presence, frequency or repetition penalty: the sampler reads the token history."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def reads_output_history(self) -> bool:
+        """Whether sampling depends on the output so far: penalties, bad words, min_tokens."""
+        return self.has_penalty or bool(self.bad_words_token_ids) or self.min_tokens > 0
+
+    @property
+    def changes_logits(self) -> bool:
+        """Whether the sampler changes the raw logits before picking (the one list of such settings: the sampler's
+        batched check and speculative verification both follow it)."""
+        return self.reads_output_history or bool(self.logit_bias) or self.allowed_token_ids is not None
+
+    @property
     def stop_strings(self) -> list[str]:
         assert isinstance(self.stop, list)
         return self.stop

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -67,7 +66,7 @@ class SchedulerStats:
             num_kv_live_tokens=num_kv_live_tokens,
             num_kv_held_slots=kv.num_used_blocks * kv.block_size,
             num_swapped_preemptions_total=num_swapped_preemptions_total,
-            spec_decoding=copy.deepcopy(spec_decoding) if spec_decoding is not None else SpecDecodingStats(),
+            spec_decoding=spec_decoding.snapshot() if spec_decoding is not None else SpecDecodingStats(),
         )
         stats.set_tiers(kv.host_tier, kv.disk_tier)
         return stats

@@ -65,6 +65,12 @@ class SpecDecodingStats:
         for position in range(num_accepted_tokens):
             self.num_accepted_tokens_per_pos[position] += 1
 
+    def snapshot(self) -> SpecDecodingStats:
+        """A copy for the step's stats (the scheduler goes on adding to its own): one list copied, no deepcopy."""
+        return SpecDecodingStats(
+            self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens, list(self.num_accepted_tokens_per_pos)
+        )
+
     @property
     def mean_acceptance_length(self) -> float:
         """Tokens per verification: 1 + accepted / drafts (1.0 before any)."""
@@ -97,7 +103,7 @@ def roll_back_rejected(
     request.num_computed_tokens -= num_drafts + 1 - num_sampled
     stats.observe(num_drafts, num_sampled - 1)
     num_slots = kv.lookahead.num_slots(request.num_computed_tokens, 1)
-    kv.free_blocks_past(request, -(-num_slots // kv.block_size))
+    kv.free_blocks_past(request, -(-num_slots // kv.block_size))  # blocks covering the slots
 
 
 def keep_drafts(request: Request, draft_token_ids: list[int] | None) -> None:

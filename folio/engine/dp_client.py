@@ -41,12 +41,12 @@ def check_data_parallel(config: EngineConfig, data_parallel_size: int) -> None:
     if _device_type(config) == "cuda":
         if config.device.startswith("cuda:"):
             raise ValueError(f"--device {config.device} names one GPU; {FLAG} {data_parallel_size} needs --device cuda")
-        tp = config.parallel_config.world_size
+        ranks = config.parallel_config.world_size
         num_gpus = len(_visible_gpus())
-        if data_parallel_size * tp > num_gpus:
+        if data_parallel_size * ranks > num_gpus:
             raise ValueError(
-                f"{FLAG} {data_parallel_size} x tensor_parallel_size {tp} needs {data_parallel_size * tp} GPUs (one "
-                f"per rank); this machine has {num_gpus}"
+                f"{FLAG} {data_parallel_size} x {config.parallel_config.describe_ranks()} needs "
+                f"{data_parallel_size * ranks} GPUs (one per rank); this machine has {num_gpus}"
             )
 
 

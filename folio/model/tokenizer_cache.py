@@ -89,7 +89,7 @@ def _save(tokenizer: PreTrainedTokenizerBase, entry: Path, replace: bool) -> Non
             shutil.rmtree(entry)
         os.rename(staging, entry)
         staging = None
-    except OSError as e:  # e.g. a read-only home: the next start converts again
+    except Exception as e:  # noqa: BLE001 - e.g. a read-only home, or a tokenizer that cannot save: converts again
         logger.debug("could not save the tokenizer cache entry %s: %s", entry, e)
     finally:
         if staging is not None:

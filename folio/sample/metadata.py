@@ -91,11 +91,11 @@ class SamplingMetadata:
             min_p = _row_tensor([p.min_p for p in params], torch.float32, device)
 
         presence = frequency = repetition = prompt_padded = output_padded = None
-        if any(_has_penalty(p) for p in params):
+        if any(p.has_penalty for p in params):
             presence = _row_tensor([p.presence_penalty for p in params], torch.float32, device)
             frequency = _row_tensor([p.frequency_penalty for p in params], torch.float32, device)
             repetition = _row_tensor([p.repetition_penalty for p in params], torch.float32, device)
-            outputs = [out if _has_penalty(p) else [] for p, out in zip(params, output_token_ids, strict=True)]
+            outputs = [out if p.has_penalty else [] for p, out in zip(params, output_token_ids, strict=True)]
             output_padded = _pad_token_ids(outputs, vocab_size, device)
             if any(p.repetition_penalty != 1.0 for p in params):
                 prompts = [
@@ -131,10 +131,6 @@ class SamplingMetadata:
                 if p.min_tokens > 0 and p.all_stop_token_ids
             },
         )
-
-
-def _has_penalty(p: SamplingParams) -> bool:
-    return p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
 
 
 def _row_tensor(values: list[float] | list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

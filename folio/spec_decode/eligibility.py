@@ -13,21 +13,6 @@ from __future__ import annotations
 from folio.sampling_params import SamplingParams
 
 
-def can_speculate(params: SamplingParams) -> bool:
-    """Every request, for now (the hook where a method-specific restriction would go)."""
-    return True
-
-
 def verifies_by_argmax(params: SamplingParams) -> bool:
     """Greedy, no logprobs and nothing that changes the logits: the target's token is the raw logits' arg-max."""
-    return (
-        params.is_greedy
-        and params.logprobs is None
-        and params.presence_penalty == 0.0
-        and params.frequency_penalty == 0.0
-        and params.repetition_penalty == 1.0
-        and not params.logit_bias
-        and params.allowed_token_ids is None
-        and not params.bad_words_token_ids
-        and params.min_tokens == 0
-    )
+    return params.is_greedy and params.logprobs is None and not params.changes_logits

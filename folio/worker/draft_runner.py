@@ -25,7 +25,6 @@ from folio.kernels.cpu_kernels import CpuKernels
 from folio.model.llama import LlamaForCausalLM
 from folio.model.loader import ModelSpec, load_model, read_model_spec
 from folio.spec_decode.draft_model import DraftProgress, check_draft_vocab, num_drafts_to_propose
-from folio.spec_decode.eligibility import can_speculate
 from folio.worker.kv_offload import copy_blocks
 from folio.worker.request_state import CachedRequestState, RequestStates
 
@@ -133,7 +132,7 @@ class DraftModelRunner:
         # Who proposes, and how many drafts each (cut by max_model_len and max_tokens as the scheduler would).
         counts = [
             0
-            if state.req_id not in sampled_req_ids or not can_speculate(state.sampling_params)
+            if state.req_id not in sampled_req_ids
             else num_drafts_to_propose(
                 self.k,
                 state.num_tokens,

@@ -98,11 +98,11 @@ class ModelRunner:
             hidden = self.model(model_input.input_ids, model_input.positions, self.kv_caches, model_input.attn)
         if not self.is_last_stage:  # its output went on to the next stage (folio/parallel/pipeline_parallel.py)
             return ModelRunnerOutput(req_ids, [[] for _ in req_ids], [None] * len(req_ids))
-        rows = hidden[model_input.logits_indices]  # [S + P + sum(k_i + 1), hidden]
-        spec_rows = None
+        all_rows = hidden[model_input.logits_indices]  # [S + P + sum(k_i + 1), hidden]
+        rows, spec_rows = all_rows, None
         if model_input.spec_req_ids:  # speculative decoding: the drafted requests' rows come last
-            num_main_rows = rows.shape[0] - sum(len(d) + 1 for d in model_input.spec_draft_token_ids)
-            rows, spec_rows = rows[:num_main_rows], rows[num_main_rows:]
+            num_main_rows = all_rows.shape[0] - sum(len(d) + 1 for d in model_input.spec_draft_token_ids)
+            rows, spec_rows = all_rows[:num_main_rows], all_rows[num_main_rows:]
         num_sampled = len(model_input.sample_req_ids)
         states = [self.requests[r] for r in model_input.sample_req_ids]
         metadata = self._sampling_metadata(states) if num_sampled else None
@@ -110,9 +110,12 @@ class ModelRunner:
             metadata.grammar_bitmask = bitmask_for_rows(
                 model_input.sample_req_ids, sched.structured_output_request_ids, sched.grammar_bitmask, self.device
             )
-        greedy_ids = None
+        greedy_ids = spec_argmax_ids = None
         if metadata is not None and not model_input.prompt_logprobs and self.sampler.only_argmax(metadata, True):
-            greedy_ids = self.model.compute_greedy_token_ids(rows)  # None where the model has no such path
+            # One pass of the LM head for the drafted rows too (it streams the whole LM-head weight each call).
+            greedy_ids = self.model.compute_greedy_token_ids(all_rows)  # None where the model has no such path
+            if greedy_ids is not None and spec_rows is not None:
+                greedy_ids, spec_argmax_ids = greedy_ids[: rows.shape[0]], greedy_ids[rows.shape[0] :]
             if greedy_ids is not None and metadata.grammar_bitmask is not None:  # logits only where banned
                 greedy_ids = constrained_greedy(greedy_ids, metadata.grammar_bitmask, lambda r: self._logits(rows, r))
         no_logits = greedy_ids is not None or rows.shape[0] == 0
@@ -138,6 +141,7 @@ class ModelRunner:
                     self.vocab_size,
                     sched.structured_output_request_ids,
                     sched.grammar_bitmask,
+                    spec_argmax_ids,
                 )
             )
         drafts = {}

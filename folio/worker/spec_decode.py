@@ -22,8 +22,7 @@ from folio.sample.metadata import SamplingMetadata
 from folio.sample.rejection_sampler import greedy_accept
 from folio.sample.sampler import Sampler
 from folio.sample.seeding import position_generator
-from folio.sampling_params import SamplingParams
-from folio.spec_decode.eligibility import can_speculate, verifies_by_argmax
+from folio.spec_decode.eligibility import verifies_by_argmax
 from folio.spec_decode.ngram_proposer import NgramProposer
 from folio.structured.bitmask import bitmask_for_rows, constrained_greedy
 from folio.worker.input_batch import ModelInput
@@ -42,19 +41,23 @@ def verify_drafts(
     vocab_size: int,
     grammar_req_ids: list[str] | None = None,
     grammar_bitmask: np.ndarray | None = None,
+    argmax_ids: torch.Tensor | None = None,
 ) -> TokensAndLogprobs:
     """spec_rows [sum(k_i + 1), hidden] in ``model_input.spec_req_ids`` order -> req_id -> (accepted drafts + one
     token, their logprobs or None); each request's copy gets the tokens appended. ``grammar_req_ids`` /
     ``grammar_bitmask``: the step's structured-output rows (a constrained request's k + 1 rows in a row, row j
     the mask after drafts[:j]), applied to row j of that request: by constrained_greedy on the fused arg-max
-    (logits only for rows whose arg-max the grammar bans), or as the sampler's first stage."""
+    (logits only for rows whose arg-max the grammar bans), or as the sampler's first stage. ``argmax_ids``: the
+    fused arg-max of every row of ``spec_rows`` when the caller already ran it (with the undrafted rows)."""
     states = [requests[req_id] for req_id in model_input.spec_req_ids]
     drafts = model_input.spec_draft_token_ids
     starts = [0]  # request i's rows are [starts[i], starts[i + 1])
     for request_drafts in drafts:
         starts.append(starts[-1] + len(request_drafts) + 1)
-    by_argmax = [i for i, state in enumerate(states) if verifies_by_argmax(state.sampling_params)]
-    by_sampler = [i for i, state in enumerate(states) if not verifies_by_argmax(state.sampling_params)]
+    by_argmax: list[int] = []  # request indices verified by the fused arg-max
+    by_sampler: list[int] = []  # ... by the sampler's pipeline
+    for i, state in enumerate(states):
+        (by_argmax if verifies_by_argmax(state.sampling_params) else by_sampler).append(i)
     targets: list[list[int]] = [[] for _ in states]  # the target's own token at each of a request's rows
 
     def grammar_rows(chosen: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -64,7 +67,7 @@ def verify_drafts(
     row_logprobs: dict[int, LogprobsLists] = {}  # request index -> logprobs at its k + 1 rows
     if by_argmax:
         rows = _select_rows(spec_rows, starts, by_argmax)
-        token_ids = greedy_token_ids(rows)
+        token_ids = greedy_token_ids(rows) if argmax_ids is None else _select_rows(argmax_ids, starts, by_argmax)
         mask = grammar_rows(by_argmax)
         if mask is not None:  # exact per row: the arg-max where the grammar allows it, else masked logits' arg-max
             token_ids = constrained_greedy(token_ids, mask, lambda r: compute_logits(rows.index_select(0, r)))
@@ -133,7 +136,7 @@ def _draft_rows_metadata(
     params, prompts, outputs, generators = [], [], [], []
     for state, request_drafts in zip(states, drafts, strict=True):
         num_output = len(state.output_token_ids)
-        reads_history = _reads_output_history(state.sampling_params)
+        reads_history = state.sampling_params.reads_output_history
         for j in range(len(request_drafts) + 1):
             params.append(state.sampling_params)
             prompts.append(state.prompt_token_ids)
@@ -142,25 +145,12 @@ def _draft_rows_metadata(
     return SamplingMetadata.build(params, prompts, outputs, generators, vocab_size, device)
 
 
-def _reads_output_history(params: SamplingParams) -> bool:
-    """Whether the sampler reads the row's output tokens: penalties, bad words, min_tokens."""
-    return (
-        params.presence_penalty != 0.0
-        or params.frequency_penalty != 0.0
-        or params.repetition_penalty != 1.0
-        or bool(params.bad_words_token_ids)
-        or params.min_tokens > 0
-    )
-
-
 def propose_drafts(proposer: NgramProposer, req_ids: Iterable[str], requests: RequestStates) -> dict[str, list[int]]:
-    """Drafts for the requests that got tokens this step and may speculate (``can_speculate``). A constrained
+    """Drafts for the requests that got tokens this step (every request may speculate). A constrained
     request's drafts are checked against its grammar in the engine core, before they are scheduled."""
     drafts: dict[str, list[int]] = {}
     for req_id in req_ids:
         state = requests[req_id]
-        if not can_speculate(state.sampling_params):
-            continue
         proposal = proposer.propose(state.prompt_token_ids + state.output_token_ids)
         if proposal:
             drafts[req_id] = proposal

@@ -88,3 +88,31 @@ def test_speculation_under_chunked_prefill_and_preemption(
     assert got == baseline
     assert tight.llm_engine.scheduler.num_preemptions_total > 0
     assert tight.llm_engine.scheduler.spec_decoding_stats.num_accepted_tokens > 0
+
+
+def test_a_step_with_drafted_and_undrafted_greedy_rows_runs_the_lm_head_once(make_llm: Callable[..., LLM]) -> None:
+    """The fused arg-max streams the whole LM-head weight: a step whose greedy batch mixes drafted requests and
+    requests without drafts picks every row's token in one call, not one call per group."""
+    spec_llm = make_llm(speculative_config=SPEC)
+    runner = spec_llm.llm_engine.executor.worker.model_runner
+    model = runner.model
+    calls_in_step: list[int] = []
+    mixed_steps: list[int] = []
+    real_argmax, real_execute = model.compute_greedy_token_ids, runner.execute_model
+
+    def counting_argmax(rows: Any) -> Any:
+        calls_in_step[-1] += 1
+        return real_argmax(rows)
+
+    def counting_execute(sched: Any) -> Any:
+        calls_in_step.append(0)
+        num_drafted = len(sched.scheduled_spec_decode_tokens)
+        if 0 < num_drafted < len(sched.num_scheduled_tokens):
+            mixed_steps.append(len(calls_in_step) - 1)
+        return real_execute(sched)
+
+    model.compute_greedy_token_ids = counting_argmax
+    runner.execute_model = counting_execute
+    _generate(spec_llm, [COPY_PROMPTS[2], PLAIN_PROMPTS[0], COPY_PROMPTS[3]], [GREEDY] * 3)
+    assert mixed_steps, "no step mixed drafted and undrafted requests: the test checks nothing"
+    assert [calls_in_step[step] for step in mixed_steps] == [1] * len(mixed_steps)
