@@ -31,10 +31,12 @@ def apply_sampled_tokens(
     prompt_logprobs: LogprobsLists | None,
     kv_cache_manager: KVCacheManager,
     max_model_len: int,
+    step_end: int,
 ) -> RequestUpdate:
     """Append tokens up to the first stop, cache the blocks they completed, trim logprob rows past a stop.
 
-    A stopped request still needs its blocks released by the caller (the scheduler owns the queues).
+    A stopped request still needs its blocks released by the caller (the scheduler owns the queues). ``step_end``:
+    the request's num_computed_tokens after the step these tokens come from.
     """
     new_token_ids: list[int] = []
     stopped = False
@@ -48,7 +50,7 @@ def apply_sampled_tokens(
         update_request_block_hashes(request, kv_cache_manager.block_size)
         kv_cache_manager.cache_computed_blocks(request)
     if prompt_logprobs is not None:
-        prompt_logprobs = undelivered_prompt_logprobs(request, prompt_logprobs)
+        prompt_logprobs = undelivered_prompt_logprobs(request, prompt_logprobs, step_end)
     if logprobs is not None and len(new_token_ids) < len(logprobs.ranks):
         logprobs = logprobs.rows(0, len(new_token_ids))  # tokens after a stop are dropped
     if not stopped and not new_token_ids and prompt_logprobs is None:

@@ -110,6 +110,13 @@ class SchedulerOutput:
     def make_empty() -> SchedulerOutput:
         return SchedulerOutput([], CachedRequestData(), {}, 0, set(), set(), [])
 
+    def step_starts(self) -> dict[str, int]:
+        """req_id -> the position this step starts at (num_computed_tokens before it), new and cached requests."""
+        starts = {req.req_id: req.num_computed_tokens for req in self.scheduled_new_reqs}
+        cached = self.scheduled_cached_reqs
+        starts.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+        return starts
+
 
 @dataclass
 class LogprobsLists:

@@ -299,6 +299,8 @@ class Scheduler:
         """
         self._recompute_failed_loads(model_runner_output)
         row_of = {req_id: row for row, req_id in enumerate(model_runner_output.req_ids)}
+        # where each request's step started (only needed to place prompt-logprob rows)
+        step_starts = scheduler_output.step_starts() if model_runner_output.prompt_logprobs else {}
         outputs: list[EngineCoreOutput] = []
         any_finished = False
         for req_id in scheduler_output.num_scheduled_tokens:
@@ -321,6 +323,7 @@ class Scheduler:
                 model_runner_output.prompt_logprobs.get(req_id),
                 self.kv_cache_manager,
                 self.max_model_len,
+                step_starts.get(req_id, 0) + scheduler_output.num_scheduled_tokens[req_id],
             )
             if update.stopped:
                 self._release(request)  # dropped from running below

@@ -4,13 +4,16 @@ greedy and seeded-sampling tokens, with the KV cache sized per rank; a killed st
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from folio import LLM, SamplingParams
 from tests.parallel.conftest import kill_rank_mid_run, mark_failed, shutdown
+from tests.tiny_models import save_tiny_llama
 
 _HANG_GUARD_S = 60.0
 
@@ -45,3 +48,32 @@ def test_a_killed_stage_fails_the_engine_at_once(tiny_model: str, make_engine: C
     kill_rank_mid_run(llm, prompts, rank=0)
     with pytest.raises(RuntimeError, match="worker rank 0"):  # later calls fail the same way, never hang
         llm.generate(prompts, SamplingParams(max_tokens=2), use_tqdm=False)
+
+
+def test_prompt_logprobs_of_chunked_prefills_with_two_steps_in_flight(
+    tmp_path: Path, make_engine: Callable[..., LLM]
+) -> None:
+    """pp=2 keeps two steps in flight: step i + 1 is scheduled (advancing num_computed_tokens) before step i's output
+    is read. Every prompt position's logprobs must still be delivered once, as with one rank (the rows are placed by
+    the step they came from, not by the request's current count), with the same tokens; no deadlock either, with
+    whole prompts going down and logprob rows coming up in the same steps."""
+    tiny_model = save_tiny_llama(tmp_path, max_position_embeddings=1024)
+    long_prompts = [{"prompt_token_ids": [1 + (7 * i + j) % 90 for j in range(600)]} for i in range(16)]
+    with_prompt_logprobs = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=20, ignore_eos=True)
+    greedy = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    params = [with_prompt_logprobs if i % 2 == 0 else greedy for i in range(len(long_prompts))]
+    # many requests per step, 32 tokens each: prompts are chunked over many steps, two of them in flight
+    settings = {"max_model_len": 1024, "max_num_batched_tokens": 512, "long_prefill_token_threshold": 32}
+    expected = make_engine(tiny_model, **settings).generate(long_prompts, params, use_tqdm=False)
+    llm = make_engine(tiny_model, pipeline_parallel_size=2, **settings)
+    outputs: list[Any] = []
+    generate = lambda: outputs.extend(llm.generate(long_prompts, params, use_tqdm=False))  # noqa: E731
+    thread = threading.Thread(target=generate, daemon=True)  # daemon: a deadlocked one must not hold the exit
+    thread.start()
+    thread.join(_HANG_GUARD_S)
+    assert not thread.is_alive(), "the pipeline hung"
+    assert llm.llm_engine.engine_core.batch_queue.peak_in_flight == 2
+    assert _tokens(outputs) == _tokens(expected)
+    assert [len(out.prompt_logprobs or []) for out in outputs] == [len(out.prompt_logprobs or []) for out in expected]
+    assert [out.prompt_logprobs for out in outputs] == [out.prompt_logprobs for out in expected]
+    shutdown(llm)
