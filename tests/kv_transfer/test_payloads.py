@@ -87,3 +87,18 @@ def test_sends_reach_the_receiver_and_a_dead_consumer_fails_only_its_send() -> N
     block = store.get(0x2)
     assert block is not None and block.fingerprint == FP
     assert bytes(block.payload) == gather_payloads(caches, [2]).numpy().tobytes()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_round_trip_between_cuda_and_cpu() -> None:
+    """Payloads leave a CUDA cache as CPU bytes and land in a CUDA cache (and a CPU one) unchanged."""
+    shape = KVCacheShape(num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16)
+    src = shape.allocate(4, torch.device("cuda"))
+    for cache in src:
+        cache.copy_(torch.randn(cache.shape, device="cuda").to(torch.bfloat16))
+    payloads = gather_payloads(src, [2])
+    assert payloads.device.type == "cpu"
+    for device in ("cuda", "cpu"):
+        dst = shape.allocate(4, torch.device(device))
+        scatter_payloads(dst, [1], payloads)
+        assert all(torch.equal(d[:, 1].cpu(), s[:, 2].cpu()) for d, s in zip(dst, src, strict=True))
