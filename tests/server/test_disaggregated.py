@@ -106,17 +106,15 @@ def pd(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory)
     kv_port = free_port()
     producer = ServerProcess(tmp / "producer.log", _kv_config("kv_producer"), env=ONE_THREAD)
     consumer = ServerProcess(tmp / "consumer.log", _kv_config("kv_consumer", kv_port), env=ONE_THREAD)
+    proxy = ProxyProcess(tmp / "proxy.log", producer.base_url, consumer.base_url, kv_port)
     try:
         reference = request.getfixturevalue("server")  # the shared server starts (if it must) while ours load
         producer.wait_healthy()
         consumer.wait_healthy()
-        proxy = ProxyProcess(tmp / "proxy.log", producer.base_url, consumer.base_url, kv_port)
-        try:
-            proxy.wait_healthy()
-            yield Disaggregated(producer, consumer, proxy, reference, kv_port)
-        finally:
-            proxy.stop()
+        proxy.wait_healthy()
+        yield Disaggregated(producer, consumer, proxy, reference, kv_port)
     finally:
+        proxy.stop()
         for instance in (producer, consumer):  # both drain at once
             if instance.process.poll() is None:
                 instance.process.send_signal(signal.SIGTERM)
@@ -184,8 +182,10 @@ KINDS = ["completion", "completion-stream", "chat", "chat-stream"]
 
 def test_outputs_equal_a_single_server_and_the_consumer_computes_only_the_tails(pd: Disaggregated) -> None:
     producer_before, consumer_before = _counts(pd.producer), _counts(pd.consumer)
-    proxied = [_ask(_client(pd.proxy.base_url), kind, case) for case, kind in enumerate(KINDS)]
-    reference = [_ask(_client(pd.reference.base_url), kind, case) for case, kind in enumerate(KINDS)]
+    with _client(pd.proxy.base_url) as client:
+        proxied = [_ask(client, kind, case) for case, kind in enumerate(KINDS)]
+    with _client(pd.reference.base_url) as client:
+        reference = [_ask(client, kind, case) for case, kind in enumerate(KINDS)]
     assert proxied == reference
     assert all(text for text, _, _ in proxied)
     lengths = [num_prompt_tokens for _, _, num_prompt_tokens in reference]
@@ -244,6 +244,23 @@ def test_bad_kv_transfer_params_are_400_naming_the_field(
     assert answer.status_code == 400, answer.text
     error = answer.json()["error"]
     assert error["param"] == param and message in error["message"], error
+
+
+def test_errors_pass_through_the_proxy(pd: Disaggregated) -> None:
+    bad = httpx.post(
+        pd.proxy.base_url + "/v1/completions",
+        json={"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 4, "temperature": -1},
+        timeout=60,
+    )
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "temperature", bad.text
+    unknown = httpx.post(
+        pd.proxy.base_url + "/v1/chat/completions", json={"model": "no-such-model", "messages": []}, timeout=60
+    )
+    assert unknown.status_code == 400 and unknown.json()["error"]["param"] == "messages", unknown.text
+    not_json = httpx.post(pd.proxy.base_url + "/v1/completions", content=b"{", timeout=60)
+    assert not_json.status_code == 400 and "not valid JSON" in not_json.json()["error"]["message"]
+    models = httpx.get(pd.proxy.base_url + "/v1/models", timeout=60)
+    assert models.status_code == 200 and models.json()["data"][0]["id"] == MODEL_NAME
 
 
 def test_a_consumer_that_is_down_is_a_502_naming_it(pd: Disaggregated) -> None:
