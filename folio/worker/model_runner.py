@@ -175,9 +175,13 @@ class ModelRunner:
                 raise RuntimeError("the scheduler planned host KV copies but this worker has no host KV tier")
             self.kv_transfer.execute(sched.kv_stores, sched.kv_loads)
         failed = self.kv_disk.load(disk.loads) if self.kv_disk is not None and disk.loads else []
-        if sched.kv_remote_loads and self.kv_remote is None:
-            raise RuntimeError("the scheduler planned loads of received KV blocks but this worker is no consumer")
-        failed_remote = self.kv_remote.load(sched.kv_remote_loads) if self.kv_remote and sched.kv_remote_loads else []
+        failed_remote = []
+        if sched.kv_remote_loads:
+            if self.kv_remote is None:
+                raise RuntimeError(
+                    "the scheduler planned loads of received KV blocks but this worker is not a consumer"
+                )
+            failed_remote = self.kv_remote.load(sched.kv_remote_loads)
         if not failed and not failed_remote:
             return {}, []
         failed_blocks = {block_id for _, block_id in failed + failed_remote}
