@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 from folio.engine.dp_router import DATA_PARALLEL_ROUTINGS
 from folio.engine_flags import add_engine_args, engine_args_from
 from folio.kernels.isa import cpu_info, is_x86_64, library_isa_env, resolve_cpu_isa
+from folio.kv_transfer.proxy_cli import add_proxy_parser
 from folio.logger import init_logger
 from folio.server.limits import DEFAULT_MAX_N_SEQUENCES, DEFAULT_MAX_REQUEST_BODY_BYTES
 
@@ -88,6 +89,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         raise ValueError(f"port must be in [0, 65535], got {ns.port}")
     if ns.data_parallel_size < 1:
         raise ValueError(f"data_parallel_size (--data-parallel-size) must be >= 1, got {ns.data_parallel_size}")
+    if ns.data_parallel_size > 1 and ns.kv_transfer_config is not None:
+        raise ValueError("kv_transfer_config with data_parallel_size (--data-parallel-size) > 1 is not supported yet")
     return run_server(ns, engine_args_from(ns))
 
 
@@ -250,6 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(chat)
     chat.set_defaults(func=cmd_chat)
     add_bench_parsers(sub)
+    add_proxy_parser(sub)
     return parser
 
 

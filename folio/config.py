@@ -10,6 +10,7 @@ import importlib.util
 from dataclasses import dataclass, field
 
 from folio.kernels.isa import IsaTier, cpu_info, is_x86_64, resolve_cpu_isa
+from folio.kv_transfer.config import KVTransferConfig, check_kv_transfer_combinations
 from folio.parallel.stages import PP_FLAG
 from folio.spec_decode.config import SpeculativeConfig
 
@@ -214,6 +215,7 @@ class EngineConfig:
     structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     speculative_config: SpeculativeConfig | None = None  # None: no speculative decoding
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    kv_transfer_config: KVTransferConfig | None = None  # disaggregated prefill (folio/kv_transfer/); None: off
 
 
 # The speculative methods the engine runs; a config naming another is refused at start-up, never ignored.
@@ -257,6 +259,9 @@ class EngineArgs:
     distributed_executor_backend: str | None = None  # "uni", "mp" or "ray"; None: "uni" for one rank, "mp" above
     pipeline_parallel_size: int = 1  # stages of contiguous layers, one rank each (folio/parallel/pipeline_parallel.py)
     ray_address: str | None = None  # "ray": the cluster's head "host:port" (ParallelConfig.ray_address)
+    # {"kv_connector": "TcpConnector", "kv_role": "kv_producer" | "kv_consumer" | "kv_both", "kv_ip", "kv_port",
+    # "kv_buffer_size"} (vLLM's names), or a KVTransferConfig; None: off
+    kv_transfer_config: KVTransferConfig | dict[str, object] | None = None
 
     def _check_draft_model_combinations(self) -> None:
         """The host / disk KV tiers keep the target's K/V only (a draft's would be lost), the no-op model no K/V."""
@@ -310,6 +315,16 @@ class EngineArgs:
             )
         if self.pipeline_parallel_size > 1:
             self._check_pipeline_combinations(speculative_config is not None)
+        kv_transfer_config = KVTransferConfig.from_value(self.kv_transfer_config)
+        if kv_transfer_config is not None:
+            method = speculative_config.method if speculative_config is not None else None
+            check_kv_transfer_combinations(
+                self.enable_prefix_caching,
+                self.tensor_parallel_size,
+                self.pipeline_parallel_size,
+                method,
+                self.model_impl,
+            )
         return EngineConfig(
             model_config=ModelConfig(
                 model=model_path,
@@ -347,4 +362,5 @@ class EngineArgs:
             structured_outputs_config=structured_outputs_config,
             speculative_config=speculative_config,
             parallel_config=parallel_config,
+            kv_transfer_config=kv_transfer_config,
         )

@@ -149,6 +149,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
 
     g.add_argument(
+        "--kv-transfer-config",
+        type=json_object_arg,
+        default=None,
+        metavar="JSON",
+        help='disaggregated prefill and decode (docs/scale_out.md): {"kv_connector": "TcpConnector", "kv_role": '
+        '"kv_producer" | "kv_consumer" | "kv_both", "kv_ip": ..., "kv_port": ..., "kv_buffer_size": bytes} (vLLM\'s '
+        "fields); a consumer receives blocks on kv_ip:kv_port, a producer sends there unless a request names "
+        "another consumer",
+    )
+    g.add_argument(
         "--tensor-parallel-size",
         "-tp",
         type=int,

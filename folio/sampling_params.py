@@ -56,6 +56,8 @@ class SamplingParams:
     # A grammar the output must follow (JSON schema, regex, choice, EBNF grammar, any JSON object); a dict of
     # StructuredOutputsParams' fields is accepted too.
     structured_outputs: StructuredOutputsParams | None = None
+    # vLLM's catch-all for extensions; Folio reads "kv_transfer_params" (disaggregated prefill, folio/kv_transfer/).
+    extra_args: dict[str, Any] | None = None
     # Filled by the InputProcessor (needs the tokenizer): bad_words as token-id sequences, and the model's EOS ids.
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
     all_stop_token_ids: set[int] = field(default_factory=set)

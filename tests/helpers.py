@@ -9,12 +9,14 @@ host blocks (stores, then loads, then copy-on-write, as the real worker), so a w
 the wrong tokens there too. The disk tier's plans run on a fake disk (a dict by block hash, which a test may share
 between workers to restart, or edit to lose a file) in the real worker's order; a disk load of a hash the fake disk
 lacks fails as in the real worker: the request is left out of the step and reported, and it is dropped (it comes
-back as new). Sampling is a deterministic function of (request id, context), so a preempted request must resume
-producing exactly the same tokens.
+back as new). Loads of received blocks (disaggregated prefill) carry the block's tokens as ``fake_payload`` bytes and
+fail, as in the real worker, unless their fingerprint is ``FAKE_FINGERPRINT``. Sampling is a deterministic function
+of (request id, context), so a preempted request must resume producing exactly the same tokens.
 """
 
 from __future__ import annotations
 
+import struct
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -27,6 +29,12 @@ from folio.request import FinishReason, Request
 from folio.sampling_params import SamplingParams
 
 EOS = 2
+FAKE_FINGERPRINT = b"F" * 32  # the FakeWorker's KV layout, for received blocks
+
+
+def fake_payload(tokens: Sequence[int]) -> bytearray:
+    """A received block's bytes for the FakeWorker: its token ids (standing in for their K/V)."""
+    return bytearray(struct.pack(f"<{len(tokens)}q", *tokens))
 
 
 def make_request(
@@ -138,6 +146,11 @@ class FakeWorker:
             else:
                 failed_blocks.add(device_block_id)
                 failed_hashes.append(block_hash)
+        for load in so.kv_remote_loads:
+            if load.fingerprint == FAKE_FINGERPRINT and len(load.payload) == 8 * self.block_size:
+                self.kv[load.block_id] = list(struct.unpack(f"<{self.block_size}q", load.payload))
+            else:
+                failed_blocks.add(load.block_id)
         for src, dst in so.block_copies:
             self.kv[dst] = list(self.kv[src])
         assert so.total_num_scheduled_tokens == sum(so.num_scheduled_tokens.values())

@@ -17,6 +17,8 @@ there first, ``get_computed_blocks`` continues the chain there (the hits are loa
 With a disk tier under it (``num_disk_blocks`` > 0, core/disk_tier.py) a cached host block about to be reused is
 written to disk first, the chain continues block by block in the host tier or else on disk (disk hits are loaded
 straight into fresh device blocks), and ``take_disk_plans`` hands the step's file operations to the scheduler.
+With a store of blocks received from a prefill instance (``remote_kv_store``, core/remote_kv.py) the chain goes on
+there too (core/lower_tiers.py), and ``take_remote_loads`` hands the step's loads of received bytes to the scheduler.
 """
 
 from __future__ import annotations
@@ -26,8 +28,10 @@ from dataclasses import dataclass, field
 
 from folio.core.block_pool import BlockPool, KVCacheBlock
 from folio.core.disk_tier import DiskKVTier
+from folio.core.lower_tiers import LowerHit, LowerTiers
 from folio.core.offload import HostKVTier
-from folio.core.sched_output import KVDiskPlans
+from folio.core.remote_kv import RemoteKVStore, RemoteKVTier
+from folio.core.sched_output import KVDiskPlans, RemoteLoad
 from folio.core.spec_decode import NO_LOOKAHEAD, Lookahead
 from folio.request import Request
 
@@ -59,9 +63,11 @@ class KVCacheManager:
         num_disk_blocks: int = 0,
         disk_block_hashes: Sequence[int] = (),
         lookahead: Lookahead = NO_LOOKAHEAD,
+        remote_kv_store: RemoteKVStore | None = None,
     ) -> None:
         """``disk_block_hashes``: the hashes whose files the disk tier's directory holds at start, oldest first.
-        ``lookahead``: slots past the scheduled tokens that a draft model writes in the same step (core/spec_decode)."""
+        ``lookahead``: slots past the scheduled tokens that a draft model writes in the same step (core/spec_decode).
+        ``remote_kv_store``: blocks received from a prefill instance (a consumer's kv_transfer_config)."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
@@ -85,11 +91,13 @@ class KVCacheManager:
         if num_disk_blocks > 0 and self.host_tier is None:
             raise ValueError("a disk KV tier needs a host KV tier under the device (num_host_blocks > 0)")
         self.disk_tier = DiskKVTier(num_disk_blocks, disk_block_hashes) if num_disk_blocks > 0 else None
+        self.remote_tier = RemoteKVTier(remote_kv_store) if remote_kv_store is not None else None
+        self.lower_tiers = LowerTiers(self.host_tier, self.disk_tier, self.remote_tier)
         if self.host_tier is not None and self.disk_tier is not None and enable_prefix_caching:
-            self.host_tier.pool.on_evict = self._store_to_disk
+            self.host_tier.pool.on_evict = self.lower_tiers.store_to_disk
         # (request id, hits past the device's) found by the last get_computed_blocks, for the allocate_slots that
-        # follows it: a host block, or a block hash held by the disk tier.
-        self._lower_hits: tuple[str, list[KVCacheBlock | int]] | None = None
+        # follows it: a host block, a block hash held by the disk tier, or a received block.
+        self._lower_hits: tuple[str, list[LowerHit]] | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -118,9 +126,9 @@ class KVCacheManager:
         Capped so that at least one token is recomputed (the model needs the last position's logits):
         hit tokens <= num_tokens - 1, in whole blocks. Example (block_size 4): 8 tokens with both blocks cached ->
         1 block, 4 tokens. Changes no ref count (``allocate_slots`` takes the references); counts the query.
-        The host tier (or, block by block where it misses, the disk tier) continues the chain after the device
-        blocks: those hits count in the tokens (not in the blocks) and ``allocate_slots`` loads them. A swapped-out
-        request gets ([], its num_computed_tokens).
+        The host tier (or, block by block where it misses, the disk tier, then the received blocks) continues the
+        chain after the device blocks: those hits count in the tokens (not in the blocks) and ``allocate_slots`` loads
+        them. A swapped-out request gets ([], its num_computed_tokens).
         """
         self._lower_hits = None
         swapped = self.host_tier.num_swapped_blocks(request.request_id) if self.host_tier is not None else None
@@ -138,26 +146,12 @@ class KVCacheManager:
         num_computed_tokens = len(computed_blocks) * self.block_size
         self.prefix_cache_queries += request.num_tokens
         self.prefix_cache_hits += num_computed_tokens
-        if self.host_tier is not None:
-            lower_hits = self._find_lower_chain(request.block_hashes[len(computed_blocks) : max_num_blocks])
-            self.host_tier.record_query(request.num_tokens - num_computed_tokens, len(lower_hits) * self.block_size)
+        if self.lower_tiers:
+            lower_hits = self.lower_tiers.find_chain(request.block_hashes[len(computed_blocks) : max_num_blocks])
+            self.lower_tiers.record_query(request.num_tokens - num_computed_tokens, len(lower_hits) * self.block_size)
             self._lower_hits = (request.request_id, lower_hits)
             num_computed_tokens += len(lower_hits) * self.block_size
         return computed_blocks, num_computed_tokens
-
-    def _find_lower_chain(self, block_hashes: Sequence[int]) -> list[KVCacheBlock | int]:
-        """Per hash its host block, else the hash if the disk tier holds it; stops at the first block in neither."""
-        assert self.host_tier is not None
-        hits: list[KVCacheBlock | int] = []
-        for block_hash in block_hashes:
-            block = self.host_tier.pool.get_cached_block(block_hash)
-            if block is not None:
-                hits.append(block)
-            elif self.disk_tier is not None and block_hash in self.disk_tier:
-                hits.append(block_hash)
-            else:
-                break
-        return hits
 
     def allocate_slots(
         self,
@@ -174,7 +168,7 @@ class KVCacheManager:
         against the free blocks, since reviving them takes them out of the free queue.
         Returns None and changes nothing if that many blocks are not free. Otherwise takes a reference on the hit
         blocks, applies copy-on-write (fresh blocks taken first for copies, then for the tail) and returns the diff.
-        Host and disk tiers: the first fresh blocks receive the loads of the hits of the preceding
+        Host, disk and remote tiers: the first fresh blocks receive the loads of the hits of the preceding
         ``get_computed_blocks`` (its tokens beyond ``new_computed_blocks``) or of a swapped-out request's blocks.
         """
         if num_new_tokens < 0:
@@ -198,7 +192,7 @@ class KVCacheManager:
             return None
 
         self.block_pool.touch(new_computed_blocks)
-        self._pin(loaded)  # before taking device blocks: their eviction stores must not reuse or drop these
+        self.lower_tiers.pin(loaded)  # before taking device blocks: their eviction stores must not reuse or drop these
         result = AllocationResult(num_kept_block_ids=self._num_kept_blocks.pop(req_id, None))
         for index in cow_indices:
             old_block = req_blocks[index]
@@ -211,33 +205,12 @@ class KVCacheManager:
         fresh_blocks = self.block_pool.get_new_blocks(num_fresh_blocks)
         appended = [*new_computed_blocks, *fresh_blocks]
         req_blocks.extend(appended)
-        self._plan_loads(req_id, loaded, [block.block_id for block in fresh_blocks])
+        self.lower_tiers.plan_loads(req_id, loaded, [block.block_id for block in fresh_blocks])
         result.new_block_ids = [block.block_id for block in appended]
         self.req_to_blocks[req_id] = req_blocks
         # Prefix hits are cached already: the cache bookkeeping starts after them.
         self._num_cached_blocks[req_id] = self._num_cached_blocks.get(req_id, 0) + len(new_computed_blocks)
         return result
-
-    def _pin(self, hits: list[KVCacheBlock | int]) -> None:
-        if self.host_tier is not None:
-            self.host_tier.pin([hit for hit in hits if isinstance(hit, KVCacheBlock)])
-        if self.disk_tier is not None:
-            self.disk_tier.pin([hit for hit in hits if isinstance(hit, int)])
-
-    def _plan_loads(self, req_id: str, hits: list[KVCacheBlock | int], fresh_block_ids: list[int]) -> None:
-        """Host and disk hits, or a swapped request's blocks, are loaded into the first fresh device blocks."""
-        if self.host_tier is None:
-            return
-        pairs = list(zip(hits, fresh_block_ids, strict=False))
-        host_pairs = [(hit, block_id) for hit, block_id in pairs if isinstance(hit, KVCacheBlock)]
-        if host_pairs:
-            self.host_tier.load_hits([hit for hit, _ in host_pairs], [block_id for _, block_id in host_pairs])
-        disk_pairs = [(hit, block_id) for hit, block_id in pairs if isinstance(hit, int)]
-        if disk_pairs and self.disk_tier is not None:
-            self.disk_tier.load_hits([hit for hit, _ in disk_pairs], [block_id for _, block_id in disk_pairs])
-        num_swapped = self.host_tier.num_swapped_blocks(req_id)
-        if num_swapped is not None:
-            self.host_tier.swap_in(req_id, fresh_block_ids[:num_swapped])
 
     def _shared_blocks_to_write(self, req_blocks: list[KVCacheBlock], start: int, num_tokens: int) -> list[int]:
         """Indices of the request's existing blocks that positions start .. start + num_tokens - 1 write and that
@@ -315,16 +288,6 @@ class KVCacheManager:
         self._free_device_blocks(request)
         return True
 
-    def _store_to_disk(self, host_block_id: int, block_hash: int) -> None:
-        """The host pool's on_evict: a cached host block is about to be reused; keep its K/V on disk. If this step
-        stored it from a device block, its K/V are still in that device block only (stores run before loads)."""
-        assert self.host_tier is not None and self.disk_tier is not None
-        device_block_id = self.host_tier.stored_from.get(host_block_id)
-        if device_block_id is None:
-            self.disk_tier.store(block_hash, host_block_id)
-        else:
-            self.disk_tier.store(block_hash, device_block_id, from_device=True)
-
     def plan_disk_flush(self) -> None:
         """Shutdown: plan disk stores of every cached block of the host tier, then of the device (a hash on disk
         already becomes the most recently used), so that a restarted engine finds all of them warm. Oldest first:
@@ -342,6 +305,10 @@ class KVCacheManager:
         """The worker could not load these from disk: the disk tier drops them."""
         if self.disk_tier is not None:
             self.disk_tier.forget(block_hashes)
+
+    def take_remote_loads(self) -> list[RemoteLoad]:
+        """The loads of received blocks planned since the last call, for this step's SchedulerOutput."""
+        return self.remote_tier.take_plans() if self.remote_tier is not None else []
 
     def is_swapped_out(self, request_id: str) -> bool:
         return self.host_tier is not None and self.host_tier.num_swapped_blocks(request_id) is not None
@@ -390,6 +357,8 @@ class KVCacheManager:
             problems.extend(f"host tier: {problem}" for problem in self.host_tier.find_leaks())
         if self.disk_tier is not None:
             problems.extend(f"disk tier: {problem}" for problem in self.disk_tier.find_leaks())
+        if self.remote_tier is not None:
+            problems.extend(f"remote tier: {problem}" for problem in self.remote_tier.find_leaks())
         return problems
 
     def assert_no_leaks(self) -> None:

@@ -81,6 +81,38 @@ class KVDiskPlans:
         return bool(self.stores or self.loads or self.deletes)
 
 
+class RemoteLoad(NamedTuple):
+    """Copy a block received from a prefill instance (core/remote_kv.py) into a fresh device block, before the
+    forward, after the disk loads. The worker checks ``fingerprint`` and the size against its own KV layout."""
+
+    block_hash: int
+    block_id: int  # the device block
+    fingerprint: bytes
+    payload: bytearray
+
+
+class KVSend(NamedTuple):
+    """After this step's forward, send the request's full prompt blocks (device block ids and their hashes, in
+    order) to the consumer at host:port, and wait for its ack (folio/kv_transfer/connector.py plans it)."""
+
+    req_id: str
+    host: str
+    port: int
+    block_ids: list[int]
+    block_hashes: list[int]
+
+
+@dataclass
+class KVTransferResult:
+    """One step's KV transfers as the worker did them (worker -> core): sends and failed remote loads."""
+
+    num_sent_blocks: int = 0
+    num_sent_bytes: int = 0
+    send_seconds: float = 0.0  # copying out of the cache, sending, waiting for the acks
+    num_failed_sends: int = 0  # requests whose blocks did not reach the consumer (its decode recomputes them)
+    num_failed_loads: int = 0  # received blocks the worker could not load (another model or KV layout)
+
+
 @dataclass
 class SchedulerOutput:
     scheduled_new_reqs: list[NewRequestData]
@@ -97,6 +129,9 @@ class SchedulerOutput:
     kv_stores: list[tuple[int, int]] = field(default_factory=list)  # (device block id, host block id): to host
     kv_loads: list[tuple[int, int]] = field(default_factory=list)  # (host block id, device block id): to device
     kv_disk: KVDiskPlans = field(default_factory=KVDiskPlans)  # the disk tier's plans (empty without one)
+    # Disaggregated prefill (folio/kv_transfer/): received blocks to load, finished prompts' blocks to send.
+    kv_remote_loads: list[RemoteLoad] = field(default_factory=list)
+    kv_sends: list[KVSend] = field(default_factory=list)
     # Structured outputs (folio/structured/manager.py): row i of grammar_bitmask (numpy int32 [rows, ceil(V / 32)],
     # bit set = token allowed) constrains what structured_output_request_ids[i] samples this step. A request with
     # d scheduled drafts has d + 1 consecutive rows (its id d + 1 times): row j is the mask after drafts[:j].
@@ -144,12 +179,14 @@ class ModelRunnerOutput:
     logprobs: list[LogprobsLists | None]
     # req_id -> prompt logprobs for the prompt positions computed this step (token i+1 given 0..i)
     prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
-    # Disk tier: requests whose disk loads failed (file missing or not this model's) were left out of the forward and
-    # dropped by the worker, as if preempted: req_id -> tokens whose K/V are valid (before the first failed block).
+    # Disk and remote tiers: requests whose loads failed (a file missing, a block of another model) were left out of the
+    # forward and dropped by the worker, as if preempted: req_id -> tokens whose K/V are valid (before the first failed
+    # block).
     kv_load_failures: dict[str, int] = field(default_factory=dict)
     failed_disk_hashes: list[int] = field(default_factory=list)  # their block hashes: dropped from the disk index
     # Speculative decoding: req_id -> drafts proposed after this step's tokens, for the next step (may be empty).
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    kv_transfer: KVTransferResult | None = None  # disaggregated prefill: this step's sends and failed remote loads
 
 
 @dataclass

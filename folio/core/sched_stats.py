@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from folio.core.disk_tier import DiskKVTier
 from folio.core.offload import HostKVTier
+from folio.core.remote_kv import KVTransferStats, RemoteKVTier
 from folio.core.spec_decode import SpecDecodingStats
 
 if TYPE_CHECKING:
@@ -32,7 +33,7 @@ class SchedulerStats:
     kv_offload_blocks_to_cpu_total: int = 0  # stores planned (evicted prefix blocks and swapped-out blocks)
     kv_offload_blocks_to_device_total: int = 0  # loads planned (host prefix hits and swapped-in blocks)
     kv_offload_cpu_usage: float = 0.0  # fraction of host blocks held; cached-but-free counts as free
-    external_prefix_cache_queries: int = 0  # tokens looked up in the host and disk tiers (not found on the device)
+    external_prefix_cache_queries: int = 0  # tokens looked up past the device (host, disk, received blocks)
     external_prefix_cache_hits: int = 0  # of which found there
     num_swapped_preemptions_total: int = 0  # preemptions done by swap
     # Disk KV tier (core/disk_tier.py); all 0 without one.
@@ -42,6 +43,7 @@ class SchedulerStats:
     kv_offload_disk_failed_loads_total: int = 0  # loads the worker could not do (missing or foreign file)
     # Speculative decoding: the scheduler's cumulative counts since start (all 0 when nothing was drafted).
     spec_decoding: SpecDecodingStats = field(default_factory=SpecDecodingStats)
+    kv_transfer: KVTransferStats | None = None  # disaggregated prefill (set by the engine core); None: off
 
     @classmethod
     def snapshot(
@@ -68,11 +70,15 @@ class SchedulerStats:
             num_swapped_preemptions_total=num_swapped_preemptions_total,
             spec_decoding=spec_decoding.snapshot() if spec_decoding is not None else SpecDecodingStats(),
         )
-        stats.set_tiers(kv.host_tier, kv.disk_tier)
+        stats.set_tiers(kv.host_tier, kv.disk_tier, kv.remote_tier)
         return stats
 
-    def set_tiers(self, host: HostKVTier | None, disk: DiskKVTier | None) -> None:
-        """Fill the host and disk tiers' fields from their counters (left 0 for a tier that does not exist)."""
+    def set_tiers(self, host: HostKVTier | None, disk: DiskKVTier | None, remote: RemoteKVTier | None = None) -> None:
+        """Fill the host and disk tiers' fields from their counters (left 0 for a tier that does not exist); without
+        a host tier, the received blocks' tier counts the external prefix-cache queries and hits."""
+        if remote is not None:
+            self.external_prefix_cache_queries = remote.external_prefix_cache_queries
+            self.external_prefix_cache_hits = remote.external_prefix_cache_hits
         if host is not None:
             self.kv_offload_blocks_to_cpu_total = host.num_blocks_to_cpu_total
             self.kv_offload_blocks_to_device_total = host.num_blocks_to_device_total

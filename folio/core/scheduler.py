@@ -265,6 +265,7 @@ class Scheduler:
             kv_stores=kv_stores,
             kv_loads=kv_loads,
             kv_disk=self.kv_cache_manager.take_disk_plans(),
+            kv_remote_loads=self.kv_cache_manager.take_remote_loads(),
             scheduled_spec_decode_tokens=spec_decode_tokens,
         )
         self.finished_req_ids = set()
@@ -338,8 +339,9 @@ class Scheduler:
         return outputs
 
     def _recompute_failed_loads(self, model_runner_output: ModelRunnerOutput) -> None:
-        """Failed disk loads (the worker left those requests out and dropped them): the blocks before the first failed
-        one are cached, the rest recomputed as after a recompute preemption; the disk tier forgets the hashes."""
+        """Failed disk or remote loads (the worker left those requests out and dropped them): the blocks before the
+        first failed one are cached, the rest recomputed as after a recompute preemption; the disk tier forgets its
+        hashes."""
         self.kv_cache_manager.forget_disk_blocks(model_runner_output.failed_disk_hashes)
         for req_id, num_valid_tokens in model_runner_output.kv_load_failures.items():
             request = self.requests.get(req_id)

@@ -15,6 +15,7 @@ from folio.core.scheduler import Scheduler, SchedulerStats
 from folio.core.spec_decode import Lookahead
 from folio.engine.batch_queue import BatchQueue, attach_scheduled_token_ids
 from folio.executor import Executor
+from folio.kv_transfer.connector import CoreKVConnector
 from folio.request import FinishReason, Request
 from folio.step_timer import SCHEDULE, UPDATE_FROM_OUTPUT, StepTimer
 from folio.structured.manager import StructuredOutputManager
@@ -35,6 +36,9 @@ class EngineCore:
                 f"the KV cache holds {cache.num_blocks * cache.block_size} tokens, fewer than max_model_len "
                 f"{config.scheduler_config.max_model_len}: raise kv_cache_memory_bytes or lower max_model_len"
             )
+        # disaggregated prefill: a consumer's receiver and store, a producer's send plans (folio/kv_transfer/)
+        kv_transfer = config.kv_transfer_config
+        self.kv_connector = CoreKVConnector(kv_transfer, cache.block_size) if kv_transfer is not None else None
         self.kv_cache_manager = KVCacheManager(
             cache.num_blocks,
             cache.block_size,
@@ -43,6 +47,7 @@ class EngineCore:
             num_disk_blocks=cache.num_disk_blocks,
             disk_block_hashes=cache.disk_block_hashes,
             lookahead=Lookahead.for_config(config.speculative_config, config.scheduler_config.max_model_len),
+            remote_kv_store=self.kv_connector.store if self.kv_connector is not None else None,
         )
         self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager)
         # pipeline parallelism: the stages that do not sample get the sampled tokens with the next step
@@ -79,6 +84,8 @@ class EngineCore:
         """The scheduler's snapshot; requests waiting for their grammar count as waiting."""
         stats = self.scheduler.get_stats()
         stats.num_waiting += self.structured_output_manager.num_waiting
+        if self.kv_connector is not None:
+            stats.kv_transfer = self.kv_connector.stats(self.kv_cache_manager.remote_tier)
         return stats
 
     def step(self) -> list[EngineCoreOutput]:
@@ -96,7 +103,11 @@ class EngineCore:
         if timer is not None:
             timer.lap(SCHEDULE)
             timer.set_batch(len(scheduler_output.num_scheduled_tokens), scheduler_output.total_num_scheduled_tokens)
+        if self.kv_connector is not None:
+            self.kv_connector.plan_sends(scheduler_output, self.scheduler.requests, self.kv_cache_manager.get_block_ids)
         runner_output = self.executor.execute_model(scheduler_output)
+        if self.kv_connector is not None:
+            self.kv_connector.record(runner_output.kv_transfer)
         return failed + self.finish_step(scheduler_output, runner_output)
 
     def finish_step(
@@ -131,6 +142,8 @@ class EngineCore:
         try:
             self._flush_to_disk()
         finally:
+            if self.kv_connector is not None:
+                self.kv_connector.shutdown()
             self.executor.shutdown()
 
     def _flush_to_disk(self) -> None:

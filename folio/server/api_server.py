@@ -174,7 +174,8 @@ async def serve(args: argparse.Namespace, engine_args: EngineArgs) -> int:
     speculative = SpeculativeConfig.from_value(engine_args.speculative_config)
     num_spec_tokens = speculative.num_speculative_tokens if speculative is not None else None
     data_parallel_size = getattr(args, "data_parallel_size", 1)
-    prometheus = PrometheusStatLogger(model_name, num_spec_tokens, num_engines=max(1, data_parallel_size))
+    kv_transfer = engine_args.kv_transfer_config is not None
+    prometheus = PrometheusStatLogger(model_name, num_spec_tokens, max(1, data_parallel_size), kv_transfer)
     host_tier, spec_decode = engine_args.kv_offloading_size > 0, bool(num_spec_tokens)
     logging_stats: LoggingStatLogger | EngineLogLines = LoggingStatLogger(host_tier=host_tier, spec_decode=spec_decode)
     if data_parallel_size > 1:

@@ -16,6 +16,7 @@ from collections import defaultdict
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from folio.engine.stats import IterationStats, SchedulerStats
+from folio.server.kv_transfer_metrics import KVTransferPrometheus
 from folio.server.spec_decode_metrics import SpecDecodeLogPart, SpecDecodePrometheus
 
 logger = logging.getLogger("folio")
@@ -55,7 +56,14 @@ class PrometheusStatLogger:
     speculation is on, and its counters exist (folio/server/spec_decode_metrics.py). ``num_engines``: the engine
     cores (data parallelism); each one's series exist from the start."""
 
-    def __init__(self, model_name: str, num_speculative_tokens: int | None = None, num_engines: int = 1) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        num_speculative_tokens: int | None = None,
+        num_engines: int = 1,
+        kv_transfer: bool = False,
+    ) -> None:
+        """``kv_transfer``: the server runs with a kv_transfer_config, and its series exist."""
         self.registry = CollectorRegistry(auto_describe=True)
         self.model_name = model_name
         self.engines = [str(i) for i in range(num_engines)]
@@ -177,6 +185,7 @@ class PrometheusStatLogger:
             if num_speculative_tokens
             else None
         )
+        self.kv_transfer = KVTransferPrometheus(reg, model_name, self.engines) if kv_transfer else None
         # Each core reports cumulative prefix-cache, preemption and tier counts; counters advance by the
         # difference from that core's last snapshot (a key per count, 0 before the first).
         self._last: list[defaultdict[str, int]] = [defaultdict(int) for _ in self.engines]
@@ -192,6 +201,8 @@ class PrometheusStatLogger:
         self._record_offload(scheduler_stats, engine_index)
         if self.spec_decode is not None:
             self.spec_decode.record(scheduler_stats.spec_decoding, engine_index)
+        if self.kv_transfer is not None and getattr(scheduler_stats, "kv_transfer", None) is not None:
+            self.kv_transfer.record(scheduler_stats.kv_transfer, engine_index)
         self.counter_prompt_tokens.labels(*labels).inc(iteration_stats.num_prompt_tokens)
         self.counter_generation_tokens.labels(*labels).inc(iteration_stats.num_generation_tokens)
         for ttft in iteration_stats.time_to_first_tokens:

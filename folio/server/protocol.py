@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler
 
 from folio.sampling_params import SamplingParams
 from folio.server.input_hygiene import check_text
+from folio.server.kv_transfer_params import KVTransferParams
 from folio.server.limits import MAX_TEMPERATURE
 from folio.server.structured_outputs import ResponseFormat, StructuredOutputsField
 
@@ -79,6 +80,7 @@ class SamplingFields(RequestBody):
     # structured outputs (folio/server/structured_outputs.py): OpenAI's field, or vLLM's extra one
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = None
+    kv_transfer_params: KVTransferParams | None = None  # vLLM's: disaggregated prefill (folio/kv_transfer/)
 
     def to_sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """Raises ValueError naming the field when a value is out of range (SamplingParams validates, plus OpenAI's
@@ -156,6 +158,7 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # vLLM's: where a prefill's blocks went
 
 
 class CompletionStreamChoice(BaseModel):
@@ -248,6 +251,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
+    kv_transfer_params: dict[str, Any] | None = None  # vLLM's: where a prefill's blocks went
 
 
 class DeltaMessage(BaseModel):

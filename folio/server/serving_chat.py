@@ -17,6 +17,7 @@ from folio.outputs import RequestOutput
 from folio.sampling_params import SamplingParams
 from folio.server.beam_search import BeamSearchRequest, engine_stream
 from folio.server.errors import bad_request
+from folio.server.kv_transfer_params import kv_transfer_args
 from folio.server.logprob_format import chat_logprobs
 from folio.server.protocol import (
     ChatCompletionChoice,
@@ -58,6 +59,8 @@ class OpenAIServingChat:
         params.structured_outputs = structured_outputs_params(
             body.response_format, body.structured_outputs, ctx.engine.config.structured_outputs_config.backend
         )
+        kv_transfer = kv_transfer_args(body.kv_transfer_params, ctx.engine.config.kv_transfer_config, beam is not None)
+        params.extra_args, kv_transfer_response = kv_transfer
         ticket = ctx.admission.admit([len(prompt_ids)], params.n)  # 503 here when full
         handed_over = False  # a streamed response releases the ticket when it ends; otherwise this handler does
         try:
@@ -72,6 +75,7 @@ class OpenAIServingChat:
             response = await cancel_on_disconnect(
                 self._collect(request_id, params, generator, len(prompt_ids)), raw_request, request_id
             )
+            response.kv_transfer_params = kv_transfer_response
             return JSONResponse(response.model_dump())
         finally:
             if not handed_over:

@@ -1,9 +1,10 @@
 """ModelRunner: SchedulerOutput -> model inputs -> forward -> sample -> ModelRunnerOutput. No policy here.
 
 What to compute is decided by the scheduler; the runner only keeps its copy of each request current, executes
-the KV tiers' plans and the copy-on-write plans (disk deletes and stores, host stores, host loads, disk loads, then
-copy-on-write), runs the model on the flattened batch and samples where a request reached its last token.
-A request whose disk load failed is left out of the step and dropped; the output says so (``kv_load_failures``).
+the KV tiers' plans and the copy-on-write plans (disk deletes and stores, host stores, host loads, disk loads, loads
+of received blocks, then copy-on-write), runs the model on the flattened batch and samples where a request reached
+its last token. A request whose disk or remote load failed is left out of the step and dropped; the output says so
+(``kv_load_failures``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from folio.structured.bitmask import bitmask_for_rows, constrained_greedy
 from folio.worker.decode_graphs import DecodeGraphs
 from folio.worker.draft_runner import DraftModelRunner
 from folio.worker.input_batch import ModelInput, prepare_model_input
+from folio.worker.kv_connector import RemoteKVLoader
 from folio.worker.kv_disk import DiskKVTransfer
 from folio.worker.kv_offload import KVTransfer, copy_blocks
 from folio.worker.request_state import CachedRequestState, RequestStates
@@ -49,6 +51,7 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None  # set by enable_decode_graphs
         self.kv_transfer: KVTransfer | None = None  # set by the worker when a host KV tier exists
         self.kv_disk: DiskKVTransfer | None = None  # set by the worker when a disk tier exists under it
+        self.kv_remote: RemoteKVLoader | None = None  # set by the worker for a kv_transfer_config consumer
         self.proposer: NgramProposer | None = None  # set by the worker with an n-gram speculative_config
         self.draft_runner: DraftModelRunner | None = None  # set by the worker with a draft-model one
         self.is_last_stage = True  # False on a pipeline stage before the last: it runs its layers, never samples
@@ -163,8 +166,9 @@ class ModelRunner:
         return output
 
     def _run_kv_plans(self, sched: SchedulerOutput) -> tuple[dict[str, int], list[int]]:
-        """The disk tier's deletes and stores, the host tier's stores and loads, the disk loads. Returns, for the
-        failed disk loads, {request id: tokens whose K/V are valid} (those requests are dropped) and their hashes."""
+        """The disk tier's deletes and stores, the host tier's stores and loads, the disk loads, the loads of received
+        blocks. Returns, for the failed loads, {request id: tokens whose K/V are valid} (those requests are dropped),
+        and the failed disk loads' hashes."""
         disk = sched.kv_disk
         if disk and self.kv_disk is None:
             raise RuntimeError("the scheduler planned disk KV copies but this worker has no disk KV tier")
@@ -175,9 +179,16 @@ class ModelRunner:
                 raise RuntimeError("the scheduler planned host KV copies but this worker has no host KV tier")
             self.kv_transfer.execute(sched.kv_stores, sched.kv_loads)
         failed = self.kv_disk.load(disk.loads) if self.kv_disk is not None and disk.loads else []
-        if not failed:
+        failed_remote = []
+        if sched.kv_remote_loads:
+            if self.kv_remote is None:
+                raise RuntimeError(
+                    "the scheduler planned loads of received KV blocks but this worker is not a consumer"
+                )
+            failed_remote = self.kv_remote.load(sched.kv_remote_loads)
+        if not failed and not failed_remote:
             return {}, []
-        failed_blocks = {block_id for _, block_id in failed}
+        failed_blocks = {block_id for _, block_id in failed + failed_remote}
         failures = {}
         for req_id in sched.num_scheduled_tokens:
             block_ids = self.requests[req_id].block_ids

@@ -23,6 +23,7 @@ from folio.worker.cpu_threads import CpuThreadGovernor
 from folio.worker.device import resolve_device, resolve_dtype
 from folio.worker.draft_runner import DraftModelRunner, load_draft_model
 from folio.worker.kv_cache_shape import KVCacheShape, default_cpu_kv_bytes
+from folio.worker.kv_connector import RemoteKVLoader, WorkerKVConnector, kv_layout_fingerprint
 from folio.worker.kv_disk import DiskKVTransfer, open_disk_tier
 from folio.worker.kv_offload import HostKVCache, KVTransfer, mem_available_bytes, resolve_num_host_blocks
 from folio.worker.model_runner import ModelRunner
@@ -100,6 +101,7 @@ class Worker:
         if self.host_kv_cache is not None:
             self.model_runner.kv_transfer = KVTransfer(self.model_runner.kv_caches, self.host_kv_cache, self.device)
             self.model_runner.kv_disk = self._open_disk_tier(self.model_runner.kv_transfer)
+        self.kv_connector = self._kv_connector()
         if self._wants_decode_graphs():
             self._capture_decode_graphs(num_blocks * config.cache_config.block_size)
 
@@ -193,6 +195,18 @@ class Worker:
             shape.block_size,
         )
         return DiskKVTransfer(files, host_transfer.host.caches, host_transfer.device_caches)
+
+    def _kv_connector(self) -> WorkerKVConnector | None:
+        """Disaggregated prefill (kv_transfer_config): a consumer's loader of received blocks (run by the model runner
+        before the forward), a producer's sends (after it)."""
+        kv_transfer = self.config.kv_transfer_config
+        if kv_transfer is None:
+            return None
+        fingerprint = kv_layout_fingerprint(self.config.model_config.model, self.kv_shape)
+        caches = self.model_runner.kv_caches
+        if kv_transfer.is_consumer:
+            self.model_runner.kv_remote = RemoteKVLoader(caches, fingerprint, self.kv_shape.bytes_per_block)
+        return WorkerKVConnector(caches, fingerprint, self.model_runner.kv_remote)
 
     def _wants_decode_graphs(self) -> bool:
         """CUDA, not enforce_eager, a real model whose attention backend can be captured (TritonPagedBackend)."""
@@ -325,7 +339,10 @@ class Worker:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self._govern_threads()
-        return self.model_runner.execute_model(scheduler_output)
+        output = self.model_runner.execute_model(scheduler_output)
+        if self.kv_connector is not None:  # the producer's sends, once this step's K/V are written
+            self.kv_connector.finish_step(scheduler_output, output)
+        return output
 
     def _govern_threads(self) -> None:
         """Before each step (and each tensor loaded): the governor's thread count for the CPU kernels."""
