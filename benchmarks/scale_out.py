@@ -21,6 +21,8 @@ import time
 from typing import Any
 
 from folio import LLM, SamplingParams
+from folio.parallel.shm_allreduce import SPIN_CHECKS as SPIN
+from folio.parallel.shm_allreduce import YIELD_S as YIELD
 
 
 class _StepRecorder:
@@ -128,6 +130,71 @@ def decode(args: argparse.Namespace) -> None:
         llm.llm_engine.engine_core.shutdown()
 
 
+_WAIT_POLICIES = {  # name -> (spin checks before yielding, seconds of yielding before sleeping)
+    "default": (None, None),  # shm_allreduce.py: SPIN_CHECKS, YIELD_S
+    "spin": (10**12, 0.0),
+    "yield": (0, 10**9),
+    "spin8": (8, None),
+}
+
+
+def _allreduce_rank(rank: int, world_size: int, port: int, args: Any, results: Any) -> None:
+    """One rank of the all-reduce benchmark: gloo and shm in alternating blocks of ``repeats`` calls per size."""
+    import torch
+    import torch.distributed as dist
+
+    from folio.parallel.group import init_rank_group
+    from folio.parallel.shm_allreduce import ShmCommunicator
+
+    torch.set_num_threads(1)
+    group = init_rank_group(rank, world_size, port, "cpu", "gloo")
+    shm = ShmCommunicator.create(group.group, rank, world_size)
+    times: dict[tuple[str, int], list[float]] = {}
+    for rows in args.rows:
+        x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rank))
+        for _ in range(args.blocks):
+            for name in ("gloo", *args.policies):
+                if name != "gloo":
+                    spin, yield_s = _WAIT_POLICIES[name]
+                    shm.spin_checks = SPIN if spin is None else spin
+                    shm.yield_s = YIELD if yield_s is None else yield_s
+                block = times.setdefault((name, rows), [])
+                for i in range(args.repeats + 5):
+                    y = x.clone()
+                    start = time.perf_counter()
+                    dist.all_reduce(y, group=group.group) if name == "gloo" else shm.all_reduce(y)
+                    if i >= 5:  # warm-up calls of each block
+                        block.append(time.perf_counter() - start)
+    if rank == 0:
+        results.send(times)
+    dist.barrier()
+
+
+def allreduce(args: argparse.Namespace) -> None:
+    """Latency of one all-reduce of [rows, 576] float32 (the decode rows of SmolLM2) between ranks processes."""
+    import multiprocessing
+
+    from folio.executor.multiproc import _free_port
+
+    ctx = multiprocessing.get_context("spawn")
+    here, there = ctx.Pipe(duplex=False)
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_allreduce_rank, args=(r, args.ranks, port, args, there), daemon=True)
+        for r in range(args.ranks)
+    ]
+    for proc in procs:
+        proc.start()
+    times = here.recv()
+    for proc in procs:
+        proc.join(30)
+    print(f"{args.ranks} ranks, {args.blocks} alternating blocks of {args.repeats} calls; per call, microseconds")
+    print("collective        rows   median      p10      p90")
+    for (name, rows), values in times.items():
+        q = statistics.quantiles(values, n=10)
+        print(f"{name:16s} {rows:5d} {_median_ms(values) * 1e3:8.1f} {q[0] * 1e6:8.1f} {q[-1] * 1e6:8.1f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="what", required=True)
@@ -138,8 +205,14 @@ def main() -> None:
     d.add_argument("--tp", type=int, default=3)
     d.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     d.add_argument("--num-tokens", type=int, default=16)
+    a = sub.add_parser("allreduce")
+    a.add_argument("--ranks", type=int, default=2)
+    a.add_argument("--rows", type=int, nargs="+", default=[1, 64])
+    a.add_argument("--blocks", type=int, default=5)
+    a.add_argument("--repeats", type=int, default=200)
+    a.add_argument("--policies", nargs="+", default=["default"], choices=sorted(_WAIT_POLICIES))
     args = parser.parse_args()
-    broadcast(args) if args.what == "broadcast" else decode(args)
+    {"broadcast": broadcast, "decode": decode, "allreduce": allreduce}[args.what](args)
 
 
 if __name__ == "__main__":

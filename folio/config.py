@@ -127,6 +127,7 @@ class CpuConfig:
 
 
 DISTRIBUTED_EXECUTOR_BACKENDS = ("uni", "mp")
+CPU_ALLREDUCE_CHOICES = ("shm", "gloo")
 
 
 @dataclass
@@ -138,8 +139,15 @@ class ParallelConfig:
     # (folio/executor/multiproc.py). None: "uni" for one rank, "mp" above.
     distributed_executor_backend: str | None = None
     pipeline_parallel_size: int = 1  # stages of contiguous layers (folio/parallel/pipeline_parallel.py)
+    # The tensor-parallel all-reduce / all-gather on the CPU: "shm" (shared memory, folio/parallel/shm_allreduce.py)
+    # or "gloo" (torch.distributed over TCP). CUDA always uses NCCL.
+    cpu_allreduce: str = "shm"
 
     def __post_init__(self) -> None:
+        if self.cpu_allreduce not in CPU_ALLREDUCE_CHOICES:
+            raise ValueError(
+                f"cpu_allreduce (--cpu-allreduce) must be one of {CPU_ALLREDUCE_CHOICES}, got {self.cpu_allreduce!r}"
+            )
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.pipeline_parallel_size < 1:
@@ -244,6 +252,7 @@ class EngineArgs:
     tensor_parallel_size: int = 1  # ranks that split every layer (folio/parallel/tensor_parallel.py)
     distributed_executor_backend: str | None = None  # "uni" or "mp"; None: "uni" for one rank, "mp" above
     pipeline_parallel_size: int = 1  # stages of contiguous layers, one rank each (folio/parallel/pipeline_parallel.py)
+    cpu_allreduce: str = "shm"  # tensor-parallel collectives on the CPU: "shm" (shared memory) or "gloo"
 
     def _check_draft_model_combinations(self) -> None:
         """The host / disk KV tiers keep the target's K/V only (a draft's would be lost), the no-op model no K/V."""
@@ -288,7 +297,10 @@ class EngineArgs:
         if self.preemption_mode == "swap" and self.kv_offloading_size == 0:
             raise ValueError("preemption_mode 'swap' needs a host KV tier: set kv_offloading_size (GiB) > 0")
         parallel_config = ParallelConfig(
-            self.tensor_parallel_size, self.distributed_executor_backend, self.pipeline_parallel_size
+            self.tensor_parallel_size,
+            self.distributed_executor_backend,
+            self.pipeline_parallel_size,
+            self.cpu_allreduce,
         )
         if parallel_config.world_size > 1 and self.kv_offloading_size > 0:
             flag = "tensor_parallel_size" if self.pipeline_parallel_size == 1 else "pipeline_parallel_size"

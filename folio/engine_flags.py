@@ -8,6 +8,7 @@ import json
 from dataclasses import fields
 
 from folio.config import (
+    CPU_ALLREDUCE_CHOICES,
     DISTRIBUTED_EXECUTOR_BACKENDS,
     MODEL_IMPLS,
     PREEMPTION_MODES,
@@ -170,6 +171,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         choices=DISTRIBUTED_EXECUTOR_BACKENDS,
         help="uni: the worker runs in the engine core's process (one rank); mp: one worker process per rank, "
         "torch.distributed between them (default: uni for one rank, mp above)",
+    )
+    g.add_argument(
+        "--cpu-allreduce",
+        default=d.cpu_allreduce,
+        choices=CPU_ALLREDUCE_CHOICES,
+        help="tensor parallelism on the CPU: the ranks' all-reduces and all-gathers through shared memory (shm) or "
+        "torch.distributed's gloo over TCP (default shm; CUDA uses NCCL)",
     )
 
 

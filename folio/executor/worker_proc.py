@@ -54,11 +54,14 @@ def run_worker(config: EngineConfig, rank: int, world_size: int, port: int, sche
     try:
         device_type = resolve_device(config.device).type
         stage = None
+        cpu_allreduce = config.parallel_config.cpu_allreduce
         if pp_size > 1:
             tp_size = config.parallel_config.tensor_parallel_size
-            group, stage = init_pipeline_ranks(rank, tp_size, pp_size, port, device_type)
+            group, stage = init_pipeline_ranks(rank, tp_size, pp_size, port, device_type, cpu_allreduce)
+        elif world_size > 1:
+            group = init_rank_group(rank, world_size, port, device_type, cpu_allreduce)
         else:
-            group = init_rank_group(rank, world_size, port, device_type) if world_size > 1 else RankGroup(0, 1)
+            group = RankGroup(0, 1)
         worker = Worker(config, group, stage)
     except Exception as e:
         _report_failure(results_out, rank, e, str(e))
