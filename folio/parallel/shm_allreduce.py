@@ -34,12 +34,13 @@ import torch.distributed as dist
 
 _LINE = 64  # bytes per counter: one cache line each, so that a rank's writes do not invalidate its peers' lines
 DEFAULT_SLOT_BYTES = 1 << 20  # a [64, 576] float32 decode batch is 144 KiB; a 2048-token prefill row block 4.5 MiB
-# Waiting (measured on 2 shared cores, docs/scale_out.md): a pure spin starves a peer that shares the core (p90
-# of a 2-rank decode-row all-reduce 8 ms), and spinning 8 or 64 checks before yielding measured no faster than
-# yielding the core at every check (sched_yield returns at once when nothing else wants the core); once the
-# wait is long (the peer computes a prefill, or is descheduled) the waiter sleeps between checks instead of
-# burning a core other processes could use.
-SPIN_CHECKS = 0
+# Waiting (measured on 2 cores shared with other jobs, docs/scale_out.md): spinning before yielding did not lower
+# the median of a 2-rank decode-row all-reduce (11.5 us) and raised its p90 (yield at once 34 us, after 10 / 50 /
+# 200 us of spinning 55 / 135 / 444 us, a pure spin 16 ms: it starves a peer that shares the core), so the waiter
+# yields the core at every check (sched_yield returns at once when nothing else wants the core); once the wait is
+# long (the peer computes a prefill, or is descheduled) it sleeps between checks instead of burning a core that
+# other processes could use.
+SPIN_S = 0.0
 YIELD_S = 0.002
 SLEEP_S = 5e-5
 LIVENESS_EVERY_S = 0.01  # how often a long wait checks that the ranks it waits for are alive
@@ -79,7 +80,7 @@ class ShmCommunicator:
         ]
         self._typed: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
         self._round = int(self._counters[rank])  # 0 for a fresh segment
-        self.spin_checks, self.yield_s = SPIN_CHECKS, YIELD_S  # the waiting policy (benchmarks/scale_out.py varies it)
+        self.spin_s, self.yield_s = SPIN_S, YIELD_S  # the waiting policy (benchmarks/scale_out.py varies it)
 
     @staticmethod
     def create(
@@ -94,12 +95,14 @@ class ShmCommunicator:
                 directory = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
                 path = os.path.join(directory, f"folio_tp_{os.getpid()}_{secrets.token_hex(6)}")
                 fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-                os.ftruncate(fd, size)  # zero-filled: every counter starts at 0
+                try:
+                    os.ftruncate(fd, size)  # zero-filled: every counter starts at 0
+                finally:
+                    os.close(fd)
             names = [path]
             dist.broadcast_object_list(names, group=group, group_src=0)
-            if rank != 0:
-                assert names[0] is not None
-                fd = os.open(names[0], os.O_RDWR)
+            assert names[0] is not None
+            fd = os.open(names[0], os.O_RDWR)
             try:
                 buffer = mmap.mmap(fd, size)
             finally:
@@ -165,19 +168,19 @@ class ShmCommunicator:
 
     def _wait_all(self, target: int) -> None:
         """Returns once every rank's counter is >= target; raises RuntimeError naming the rank when one died or
-        did not arrive within timeout_s."""
+        did not arrive within timeout_s. Spins for spin_s, then yields the core at each check until yield_s, then
+        sleeps SLEEP_S between checks."""
         counters = self._counters
-        checks = 0
         started = next_liveness = 0.0
         for r in range(self.world_size):
             while counters[r] < target:
-                checks += 1
-                if checks <= self.spin_checks:
-                    continue
-                now = time.monotonic()
+                now = time.perf_counter()
                 if not started:
                     started, next_liveness = now, now + LIVENESS_EVERY_S
+                    continue
                 waited = now - started
+                if waited < self.spin_s:
+                    continue
                 if waited < self.yield_s:
                     os.sched_yield()
                     continue
