@@ -54,6 +54,10 @@ def test_one_worker_process_gives_the_in_process_tokens(tiny_model: str, make_en
         ),
         ({"distributed_executor_backend": "ray"}, r"distributed_executor_backend must be one of \('uni', 'mp'\)"),
         (
+            {"tensor_parallel_size": 3, "cpu_allreduce": "tcp"},
+            r"cpu_allreduce \(--cpu-allreduce\) must be one of \('shm', 'gloo'\), got 'tcp'",
+        ),
+        (
             {"tensor_parallel_size": 3, "kv_offloading_size": 0.01},
             "kv_offloading_size with tensor_parallel_size > 1 is not supported yet",
         ),
