@@ -7,11 +7,18 @@ shapes, no forward work) runs the same decode-only batches with the worker in th
 to every rank's pipe, unpickle, rank 0's ModelRunnerOutput back). It also prints the pickled size of one step.
 
 decode: the real model's decode step at tp=1 (fused CPU decoder, and layer by layer with enforce_eager) and at
-tp=N (layer by layer, gloo collectives between the ranks), plus one gloo all-reduce of a decode row.
+tp=N (layer by layer), with the ranks' collectives through gloo and through shared memory (cpu_allreduce).
+SmolLM2 splits only at tp=3; smollm2-shaped writes a random model of its shapes that tp=2 splits.
+
+allreduce: one all-reduce of [rows, 576] float32 (decode rows) between spawned ranks, gloo against the shared-memory
+path (and its waiting policies: a pure spin, yielding at once), in alternating blocks.
 
     OMP_NUM_THREADS=1 python benchmarks/scale_out.py broadcast
     OMP_NUM_THREADS=1 python benchmarks/scale_out.py broadcast --ray-address 127.0.0.1:6379   # + the Ray executor
     OMP_NUM_THREADS=1 python benchmarks/scale_out.py decode --tp 3
+    OMP_NUM_THREADS=1 python benchmarks/scale_out.py smollm2-shaped /tmp/smollm2_shaped
+    OMP_NUM_THREADS=1 python benchmarks/scale_out.py decode --tp 2 --model /tmp/smollm2_shaped
+    OMP_NUM_THREADS=1 python benchmarks/scale_out.py allreduce --ranks 2 --rows 1 64
 """
 
 from __future__ import annotations
@@ -23,6 +30,8 @@ import time
 from typing import Any
 
 from folio import LLM, SamplingParams
+from folio.parallel.shm_allreduce import SPIN_S as SPIN
+from folio.parallel.shm_allreduce import YIELD_S as YIELD
 
 
 class _StepRecorder:
@@ -120,18 +129,127 @@ def _pipe_round_trip_us(num_bytes: int, repeats: int = 2000) -> float:
 
 
 def decode(args: argparse.Namespace) -> None:
-    print("setting                      batch  decode step median ms")
-    settings = [
+    """Every setting's engine is built first, then the settings alternate for ``rounds`` (a burst of load from
+    elsewhere hits them alike); each round's median decode step is printed, and the best round last."""
+    settings: list[tuple[str, dict[str, Any]]] = [
         ("tp=1 fused decoder", {}),
         ("tp=1 layer by layer", {"enforce_eager": True}),
-        (f"tp={args.tp} layer by layer", {"tensor_parallel_size": args.tp}),
     ]
-    for name, kwargs in settings:
-        llm = LLM(dtype="float32", kv_cache_memory_bytes=2**27, max_model_len=512, **kwargs)  # type: ignore[arg-type]
-        for batch in args.batches:
-            rec = _decode_steps(llm, batch, args.num_tokens)
-            print(f"{name:28s} {batch:6d} {_median_ms(rec.step_s):22.2f}")
+    settings += [
+        (f"tp={args.tp} {ar}", {"tensor_parallel_size": args.tp, "cpu_allreduce": ar}) for ar in args.allreduce
+    ]
+    engines = [
+        (name, LLM(args.model, dtype="float32", kv_cache_memory_bytes=2**27, max_model_len=512, **kwargs))
+        for name, kwargs in settings
+    ]
+    medians: dict[tuple[str, int], list[float]] = {}
+    print("round  setting                      batch  decode step median ms")
+    for round_ in range(args.rounds):
+        for name, llm in engines:
+            for batch in args.batches:
+                rec = _decode_steps(llm, batch, args.num_tokens)
+                medians.setdefault((name, batch), []).append(_median_ms(rec.step_s))
+                print(f"{round_:5d}  {name:28s} {batch:6d} {medians[(name, batch)][-1]:22.2f}")
+    for _, llm in engines:
         llm.llm_engine.engine_core.shutdown()
+    print("best of the rounds:")
+    for (name, batch), values in medians.items():
+        print(f"       {name:28s} {batch:6d} {min(values):22.2f}")
+
+
+def smollm2_shaped(args: argparse.Namespace) -> None:
+    """A random-weight model of SmolLM2-135M's shapes that tp=2 can split: 12 heads of 48 and 4 KV heads give the
+    same q|k|v sizes (576 | 192 | 192) as SmolLM2's 9 heads of 64 and 3 KV heads (which only tp=3 splits), with
+    SmolLM2's hidden, intermediate, layers and vocabulary, and SmolLM2's tokenizer."""
+    import torch
+    import transformers
+
+    from folio.model.loader import default_model_path, load_tokenizer
+
+    config = transformers.LlamaConfig(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        head_dim=48,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-5,
+        rope_theta=100000.0,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(args.directory)
+    load_tokenizer(default_model_path()).save_pretrained(args.directory)
+    print(f"wrote {args.directory}")
+
+
+_WAIT_POLICIES = {  # name -> (seconds of spinning before yielding, seconds of yielding before sleeping)
+    "default": (None, None),  # shm_allreduce.py: SPIN_S, YIELD_S
+    "spin": (1e9, 1e9),
+    "yield": (0.0, 1e9),
+    "spin10us": (1e-5, None),
+    "spin50us": (5e-5, None),
+    "spin200us": (2e-4, None),
+}
+
+
+def _allreduce_rank(rank: int, world_size: int, port: int, args: Any, results: Any) -> None:
+    """One rank of the all-reduce benchmark: gloo and shm in alternating blocks of ``repeats`` calls per size."""
+    import torch
+    import torch.distributed as dist
+
+    from folio.parallel.group import init_rank_group
+    from folio.parallel.shm_allreduce import ShmCommunicator
+
+    torch.set_num_threads(1)
+    group = init_rank_group(rank, world_size, port, "cpu", "gloo")
+    shm = ShmCommunicator.create(group.group, rank, world_size)
+    times: dict[tuple[str, int], list[float]] = {}
+    for rows in args.rows:
+        x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rank))
+        for _ in range(args.blocks):
+            for name in ("gloo", *args.policies):
+                if name != "gloo":
+                    spin, yield_s = _WAIT_POLICIES[name]
+                    shm.spin_s = SPIN if spin is None else spin
+                    shm.yield_s = YIELD if yield_s is None else yield_s
+                block = times.setdefault((name, rows), [])
+                for i in range(args.repeats + 5):
+                    y = x.clone()
+                    start = time.perf_counter()
+                    dist.all_reduce(y, group=group.group) if name == "gloo" else shm.all_reduce(y)
+                    if i >= 5:  # warm-up calls of each block
+                        block.append(time.perf_counter() - start)
+    if rank == 0:
+        results.send(times)
+    dist.barrier()
+
+
+def allreduce(args: argparse.Namespace) -> None:
+    """Latency of one all-reduce of [rows, 576] float32 (the decode rows of SmolLM2) between ranks processes."""
+    import multiprocessing
+
+    from folio.executor.multiproc import _free_port
+
+    ctx = multiprocessing.get_context("spawn")
+    here, there = ctx.Pipe(duplex=False)
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_allreduce_rank, args=(r, args.ranks, port, args, there), daemon=True)
+        for r in range(args.ranks)
+    ]
+    for proc in procs:
+        proc.start()
+    times = here.recv()
+    for proc in procs:
+        proc.join(30)
+    print(f"{args.ranks} ranks, {args.blocks} alternating blocks of {args.repeats} calls; per call, microseconds")
+    print("collective        rows   median      p10      p90")
+    for (name, rows), values in times.items():
+        q = statistics.quantiles(values, n=10)
+        print(f"{name:16s} {rows:5d} {_median_ms(values) * 1e3:8.1f} {q[0] * 1e6:8.1f} {q[-1] * 1e6:8.1f}")
 
 
 def main() -> None:
@@ -145,8 +263,20 @@ def main() -> None:
     d.add_argument("--tp", type=int, default=3)
     d.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     d.add_argument("--num-tokens", type=int, default=16)
+    d.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct (tp=3 splits it)")
+    d.add_argument("--allreduce", nargs="+", default=["gloo", "shm"], choices=["gloo", "shm"])
+    d.add_argument("--rounds", type=int, default=2)
+    m = sub.add_parser("smollm2-shaped")
+    m.add_argument("directory")
+    a = sub.add_parser("allreduce")
+    a.add_argument("--ranks", type=int, default=2)
+    a.add_argument("--rows", type=int, nargs="+", default=[1, 64])
+    a.add_argument("--blocks", type=int, default=5)
+    a.add_argument("--repeats", type=int, default=200)
+    a.add_argument("--policies", nargs="+", default=["default"], choices=sorted(_WAIT_POLICIES))
     args = parser.parse_args()
-    broadcast(args) if args.what == "broadcast" else decode(args)
+    modes = {"broadcast": broadcast, "decode": decode, "allreduce": allreduce, "smollm2-shaped": smollm2_shaped}
+    modes[args.what](args)
 
 
 if __name__ == "__main__":

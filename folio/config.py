@@ -129,6 +129,7 @@ class CpuConfig:
 
 
 DISTRIBUTED_EXECUTOR_BACKENDS = ("uni", "mp", "ray")
+CPU_ALLREDUCE_CHOICES = ("shm", "gloo")
 
 
 @dataclass
@@ -144,8 +145,15 @@ class ParallelConfig:
     # "ray": the cluster to join ("host:port" of its head); None: the process's current Ray connection, else
     # ray.init()'s own search (RAY_ADDRESS, the cluster `ray start` last started here, or a new local one)
     ray_address: str | None = None
+    # The tensor-parallel all-reduce / all-gather on the CPU: "shm" (shared memory, folio/parallel/shm_allreduce.py)
+    # or "gloo" (torch.distributed over TCP). CUDA always uses NCCL.
+    cpu_allreduce: str = "shm"
 
     def __post_init__(self) -> None:
+        if self.cpu_allreduce not in CPU_ALLREDUCE_CHOICES:
+            raise ValueError(
+                f"cpu_allreduce (--cpu-allreduce) must be one of {CPU_ALLREDUCE_CHOICES}, got {self.cpu_allreduce!r}"
+            )
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.pipeline_parallel_size < 1:
@@ -262,6 +270,7 @@ class EngineArgs:
     # {"kv_connector": "TcpConnector", "kv_role": "kv_producer" | "kv_consumer" | "kv_both", "kv_ip", "kv_port",
     # "kv_buffer_size"} (vLLM's names), or a KVTransferConfig; None: off
     kv_transfer_config: KVTransferConfig | dict[str, object] | None = None
+    cpu_allreduce: str = "shm"  # tensor-parallel collectives on the CPU: "shm" (shared memory) or "gloo"
 
     def _check_draft_model_combinations(self) -> None:
         """The host / disk KV tiers keep the target's K/V only (a draft's would be lost), the no-op model no K/V."""
@@ -306,7 +315,11 @@ class EngineArgs:
         if self.preemption_mode == "swap" and self.kv_offloading_size == 0:
             raise ValueError("preemption_mode 'swap' needs a host KV tier: set kv_offloading_size (GiB) > 0")
         parallel_config = ParallelConfig(
-            self.tensor_parallel_size, self.distributed_executor_backend, self.pipeline_parallel_size, self.ray_address
+            self.tensor_parallel_size,
+            self.distributed_executor_backend,
+            self.pipeline_parallel_size,
+            self.ray_address,
+            self.cpu_allreduce,
         )
         if parallel_config.world_size > 1 and self.kv_offloading_size > 0:
             raise ValueError(

@@ -8,6 +8,7 @@ import json
 from dataclasses import fields
 
 from folio.config import (
+    CPU_ALLREDUCE_CHOICES,
     DISTRIBUTED_EXECUTOR_BACKENDS,
     MODEL_IMPLS,
     PREEMPTION_MODES,
@@ -187,6 +188,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=d.ray_address,
         help="with --distributed-executor-backend ray: the Ray cluster's head, host:port (default: Ray's own "
         "search: RAY_ADDRESS, else the cluster `ray start` started on this machine, else a new local one)",
+    )
+    g.add_argument(
+        "--cpu-allreduce",
+        default=d.cpu_allreduce,
+        choices=CPU_ALLREDUCE_CHOICES,
+        help="tensor parallelism on the CPU: the ranks' all-reduces and all-gathers through shared memory (shm) or "
+        "torch.distributed's gloo over TCP (default shm; CUDA uses NCCL)",
     )
 
 

@@ -60,7 +60,9 @@ class RayWorker:
         num_cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 1.0)
         torch.set_num_threads(max(1, int(num_cpus)))
         world_size = config.parallel_config.world_size
-        self.worker = start_worker(config, rank, world_size, host, port, gpu_index=0 if on_gpu else None)
+        # gloo between the actors: they may be on different machines (the shared-memory all-reduce is one machine's)
+        gpu_index = 0 if on_gpu else None
+        self.worker = start_worker(config, rank, world_size, host, port, gpu_index, cpu_allreduce="gloo")
         self.sends_output = is_output_rank(config, rank)
         return ready_message(config, rank, self.worker)
 

@@ -63,11 +63,18 @@ def run_worker(config: EngineConfig, rank: int, world_size: int, port: int, sche
 
 
 def start_worker(
-    config: EngineConfig, rank: int, world_size: int, host: str, port: int, gpu_index: int | None = None
+    config: EngineConfig,
+    rank: int,
+    world_size: int,
+    host: str,
+    port: int,
+    gpu_index: int | None = None,
+    cpu_allreduce: str | None = None,
 ) -> Any:
     """Joins the rank group whose rank 0 listens on host:port (and the pipeline's groups), then builds this rank's
     Worker. Shared by the worker processes here and the Ray actors (folio/executor/ray_executor.py); gpu_index:
-    the CUDA device this rank uses (None: its rank, every GPU of the machine visible)."""
+    the CUDA device this rank uses (None: its rank, every GPU of the machine visible). cpu_allreduce: the CPU
+    collectives ("shm" needs every rank on this machine); None: the configuration's."""
     from folio.parallel.group import RankGroup, init_rank_group
     from folio.parallel.pipeline_parallel import init_pipeline_ranks
     from folio.worker.device import resolve_device
@@ -75,12 +82,15 @@ def start_worker(
 
     parallel = config.parallel_config
     device_type = resolve_device(config.device).type
+    allreduce = parallel.cpu_allreduce if cpu_allreduce is None else cpu_allreduce
     stage = None
     if parallel.pipeline_parallel_size > 1:
         tp_size, pp_size = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
-        group, stage = init_pipeline_ranks(rank, tp_size, pp_size, port, device_type, host)
+        group, stage = init_pipeline_ranks(rank, tp_size, pp_size, port, device_type, host, allreduce)
+    elif world_size > 1:
+        group = init_rank_group(rank, world_size, port, device_type, allreduce, host)
     else:
-        group = init_rank_group(rank, world_size, port, device_type, host) if world_size > 1 else RankGroup(0, 1)
+        group = RankGroup(0, 1)
     return Worker(config, group, stage, gpu_index)
 
 

@@ -2,7 +2,9 @@
 
 Each worker process of the multiprocess executor (or Ray actor) joins one group at start (gloo on the CPU, NCCL on
 CUDA) over TCP (127.0.0.1 on one machine); the group object is passed to the layers that need it, never looked up
-from a global.
+from a global. On the CPU the per-step all-reduces and all-gathers go through a shared-memory segment instead of
+gloo when the ranks share a machine (``cpu_allreduce="shm"``, the default: folio/parallel/shm_allreduce.py); gloo
+keeps the rest.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from folio.parallel.shm_allreduce import ShmCommunicator, shm_supported
+
 # A collective that waits longer than this raises (a peer is gone or stuck): the worker then exits and the engine
 # core, which watches every worker process, reports the failure. Long enough for a first CUDA step's compilation.
 COLLECTIVE_TIMEOUT_S = 300.0
@@ -24,9 +28,12 @@ class RankGroup:
     rank: int
     world_size: int
     group: Any = None  # torch.distributed ProcessGroup; None only where world_size is 1 (no collectives)
+    shm: ShmCommunicator | None = None  # CPU tensors' all-reduce / all-gather through shared memory; None: gloo
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sums x over the ranks, in place; returns it."""
+        if self.shm is not None and x.device.type == "cpu":
+            return self.shm.all_reduce(x)
         if self.world_size > 1:
             dist.all_reduce(x, group=self.group)
         return x
@@ -35,6 +42,8 @@ class RankGroup:
         """[...] on every rank -> [world_size, ...]: every rank's x, in rank order (x has the same shape everywhere)."""
         if self.world_size == 1:
             return x.unsqueeze(0)
+        if self.shm is not None and x.device.type == "cpu":
+            return self.shm.all_gather(x)
         # gloo wants the ranks' tensors concatenated along dim 0: [world_size * x.shape[0], ...], then viewed
         out = torch.empty((self.world_size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
@@ -51,9 +60,18 @@ class RankGroup:
         return int(t.item())
 
 
-def init_rank_group(rank: int, world_size: int, port: int, device_type: str, host: str = "127.0.0.1") -> RankGroup:
+def init_rank_group(
+    rank: int,
+    world_size: int,
+    port: int,
+    device_type: str,
+    cpu_allreduce: str | None = None,
+    host: str = "127.0.0.1",
+) -> RankGroup:
     """Joins the group of world_size ranks whose rank 0 listens on host:port (gloo on the CPU, NCCL on CUDA); the
-    host is 127.0.0.1 for one machine's worker processes, the driver node's IP under Ray."""
+    host is 127.0.0.1 for one machine's worker processes, the driver node's IP under Ray. ``cpu_allreduce``: "shm"
+    or "gloo" for the model's collectives on the CPU; None: no model collectives on this group (the pipeline's
+    world group: block counts and stage messages only)."""
     backend = "nccl" if device_type == "cuda" else "gloo"
     dist.init_process_group(
         backend,
@@ -62,9 +80,20 @@ def init_rank_group(rank: int, world_size: int, port: int, device_type: str, hos
         world_size=world_size,
         timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
     )
-    return RankGroup(rank, world_size, dist.group.WORLD)
+    return with_cpu_allreduce(RankGroup(rank, world_size, dist.group.WORLD), device_type, cpu_allreduce)
+
+
+def with_cpu_allreduce(group: RankGroup, device_type: str, cpu_allreduce: str | None) -> RankGroup:
+    """The group with its shared-memory segment where the CPU all-reduce is "shm" (a collective: every member of
+    the group calls it); unchanged on CUDA (NCCL), for "gloo", for one rank, or where shm is not supported."""
+    if cpu_allreduce == "shm" and device_type == "cpu" and group.world_size > 1 and shm_supported():
+        group.shm = ShmCommunicator.create(group.group, group.rank, group.world_size, timeout_s=COLLECTIVE_TIMEOUT_S)
+    return group
 
 
 def destroy_rank_group(group: RankGroup) -> None:
+    if group.shm is not None:
+        group.shm.close()
+        group.shm = None
     if group.world_size > 1 and dist.is_initialized():
         dist.destroy_process_group()

@@ -29,7 +29,7 @@ from folio.kernels.cpu_kernels import CpuKernels
 from folio.model.layers.cpu_gemm import pack_weights
 from folio.model.layers.linear import Linear
 from folio.model.llama import LlamaForCausalLM, LlamaModel
-from folio.parallel.group import RankGroup, init_rank_group
+from folio.parallel.group import RankGroup, init_rank_group, with_cpu_allreduce
 from folio.parallel.stages import stage_layer_range
 from folio.parallel.tensor_parallel import TensorParallelLlamaForCausalLM
 
@@ -76,11 +76,18 @@ class PipelineStage:
 
 
 def init_pipeline_ranks(
-    rank: int, tp_size: int, pp_size: int, port: int, device_type: str, host: str = "127.0.0.1"
+    rank: int,
+    tp_size: int,
+    pp_size: int,
+    port: int,
+    device_type: str,
+    host: str = "127.0.0.1",
+    cpu_allreduce: str = "gloo",
 ) -> tuple[RankGroup, PipelineStage]:
     """Joins the engine's group of tp * pp ranks, then its stage's tensor-parallel group (rank = pp_rank * tp +
-    tp_rank: folio/parallel/stages.py). Every rank creates every stage's group, in order (torch.distributed's rule)."""
-    world = init_rank_group(rank, tp_size * pp_size, port, device_type, host)
+    tp_rank: folio/parallel/stages.py). Every rank creates every stage's group, in order (torch.distributed's rule).
+    ``cpu_allreduce`` applies to the tensor-parallel group (the world group carries no model collectives)."""
+    world = init_rank_group(rank, tp_size * pp_size, port, device_type, host=host)
     pp_rank, tp_rank = divmod(rank, tp_size)
     tp_group = RankGroup(0, 1)
     if tp_size > 1:
@@ -88,6 +95,7 @@ def init_pipeline_ranks(
             group = dist.new_group(list(range(stage * tp_size, (stage + 1) * tp_size)))
             if stage == pp_rank:
                 tp_group = RankGroup(tp_rank, tp_size, group)
+        tp_group = with_cpu_allreduce(tp_group, device_type, cpu_allreduce)
     return tp_group, PipelineStage(pp_rank, pp_size, tp_size, world)
 
 

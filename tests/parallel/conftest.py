@@ -68,6 +68,18 @@ def _no_leaks_after_each_test() -> Iterator[None]:
 HANG_GUARD_S = 60.0
 
 
+def shm_segments(pid: int) -> list[str]:
+    """The shared-memory all-reduce segments (folio/parallel/shm_allreduce.py) process pid maps, each listed as
+    its /dev/shm path + " (deleted)": the name is unlinked once every rank has mapped it."""
+    with open(f"/proc/{pid}/maps") as maps:
+        return sorted({line.split(maxsplit=5)[-1].strip() for line in maps if "/folio_tp_" in line})
+
+
+def shm_names() -> set[str]:
+    """The segment names present in /dev/shm (none is left once the ranks have started, whatever dies later)."""
+    return {name for name in os.listdir("/dev/shm") if name.startswith("folio_tp_")}
+
+
 def kill_rank_mid_run(
     llm: LLM, prompts: list[Any], rank: int, how: str = "exit code -9", reaped_within_s: float = 0.0
 ) -> None:

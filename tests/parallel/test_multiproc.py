@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from folio import LLM, SamplingParams
-from tests.parallel.conftest import TINY_KV_BYTES, kill_rank_mid_run, mark_failed, shutdown
+from tests.parallel.conftest import TINY_KV_BYTES, kill_rank_mid_run, mark_failed, shm_names, shm_segments, shutdown
 from tests.server.conftest import start_server, wait_until
 
 _PROMPTS = [{"prompt_token_ids": [1, 5, 9, 17, 33, 40, 41]}, {"prompt_token_ids": [1, 90, 3, 4]}]
@@ -57,6 +57,10 @@ def test_one_worker_process_gives_the_in_process_tokens(tiny_model: str, make_en
             r"distributed_executor_backend must be one of \('uni', 'mp', 'ray'\), got 'dask'",
         ),
         (
+            {"tensor_parallel_size": 3, "cpu_allreduce": "tcp"},
+            r"cpu_allreduce \(--cpu-allreduce\) must be one of \('shm', 'gloo'\), got 'tcp'",
+        ),
+        (
             {"tensor_parallel_size": 3, "kv_offloading_size": 0.01},
             "kv_offloading_size with tensor_parallel_size > 1 is not supported yet",
         ),
@@ -82,11 +86,16 @@ def test_more_ranks_than_gpus_is_refused(tiny_model: str) -> None:
 
 
 def test_a_killed_worker_fails_the_engine_at_once(tiny_model: str, make_engine: Callable[..., LLM]) -> None:
+    names_before = shm_names()
     llm = make_engine(tiny_model, tensor_parallel_size=2)
     mark_failed(llm)
+    for pid in llm.llm_engine.executor.worker_pids:  # the shared-memory all-reduce is on, its name already gone
+        (segment,) = shm_segments(pid)
+        assert segment.endswith(" (deleted)")
     kill_rank_mid_run(llm, _PROMPTS, rank=1)
     with pytest.raises(RuntimeError, match="worker rank 1"):  # later calls fail the same way, never hang
         llm.generate(_PROMPTS, _GREEDY, use_tqdm=False)
+    assert shm_names() == names_before  # a SIGKILLed rank leaves nothing in /dev/shm
 
 
 def test_a_killed_worker_makes_the_server_answer_503_and_exit_1(tmp_path: Path, tiny_model: str) -> None:
