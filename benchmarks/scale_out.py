@@ -231,11 +231,11 @@ def allreduce(args: argparse.Namespace) -> None:
     """Latency of one all-reduce of [rows, 576] float32 (the decode rows of SmolLM2) between ranks processes."""
     import multiprocessing
 
-    from folio.executor.multiproc import _free_port
+    from folio.executor.distributed import free_port
 
     ctx = multiprocessing.get_context("spawn")
     here, there = ctx.Pipe(duplex=False)
-    port = _free_port()
+    port = free_port()
     procs = [
         ctx.Process(target=_allreduce_rank, args=(r, args.ranks, port, args, there), daemon=True)
         for r in range(args.ranks)

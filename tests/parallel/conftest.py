@@ -84,7 +84,8 @@ def kill_rank_mid_run(
     llm: LLM, prompts: list[Any], rank: int, how: str = "exit code -9", reaped_within_s: float = 0.0
 ) -> None:
     """Generates in a thread, SIGKILLs worker ``rank`` once a request has decoded 3 tokens (the scheduler's own
-    record), and asserts the engine fails promptly with that rank's death (``how``: what the error says of it in
+    record, checked in the engine's thread right after each update: a fast engine would finish between two polls
+    from outside), and asserts the engine fails promptly with that rank's death (``how``: what the error says of it in
     brackets), with every worker process gone: at once (the mp executor joins them), or within ``reaped_within_s``
     where another process reaps them (Ray's raylet kills its actors' processes after the executor returns)."""
     import psutil
@@ -98,12 +99,22 @@ def kill_rank_mid_run(
         except BaseException as e:  # noqa: BLE001 - handed to the test thread
             errors.append(e)
 
+    scheduler = llm.llm_engine.scheduler
+    update_from_output = scheduler.update_from_output
+    killed = threading.Event()
+
+    def update_then_kill(*args: Any) -> Any:
+        outputs = update_from_output(*args)
+        if not killed.is_set() and any(r.num_output_tokens >= 3 for r in scheduler.requests.values()):
+            killed.set()
+            os.kill(pids[rank], signal.SIGKILL)
+        return outputs
+
+    scheduler.update_from_output = update_then_kill  # type: ignore[method-assign]
     thread = threading.Thread(target=generate)
     thread.start()
-    scheduler = llm.llm_engine.scheduler
-    assert wait_until(lambda: any(r.num_output_tokens >= 3 for r in list(scheduler.requests.values())), HANG_GUARD_S)
-    os.kill(pids[rank], signal.SIGKILL)
     thread.join(HANG_GUARD_S)  # hang guard only
+    assert killed.is_set(), "no request decoded 3 tokens"
     assert not thread.is_alive(), f"the engine hung after worker rank {rank} died"
     (error,) = errors
     assert isinstance(error, RuntimeError)

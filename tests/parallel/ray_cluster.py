@@ -22,6 +22,8 @@ from pathlib import Path
 
 import psutil
 
+from folio.executor.distributed import free_port
+
 _START_TIMEOUT_S = 120.0  # hang guard only
 # the subprocesses' own environment only (the engine reads none): no usage report attempts from the head
 _RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0"}
@@ -32,16 +34,10 @@ def loopback_only() -> bool:
     return [name for _, name in socket.if_nameindex()] == ["lo"]
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @dataclass
 class LocalRayCluster:
     temp_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="folio-ray-", dir="/tmp")))
-    port: int = field(default_factory=_free_port)
+    port: int = field(default_factory=free_port)
 
     @property
     def address(self) -> str:
