@@ -31,6 +31,8 @@ from typing import Any
 
 import httpx
 
+from folio.bench.server_proc import wait_healthy
+
 BLOCK = 16
 SMOLLM2_KV = {"num_layers": 30, "num_kv_heads": 3, "head_dim": 64}
 
@@ -91,20 +93,6 @@ def _start(args: list[str], log: Path) -> subprocess.Popen[bytes]:
         return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
 
 
-def _wait_healthy(url: str, process: subprocess.Popen[bytes], log: Path, timeout_s: float = 600) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"{process.args} exited:\n{log.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.3)
-    raise RuntimeError(f"{url} not healthy:\n{log.read_text()[-3000:]}")
-
-
 def _counter(url: str, name: str) -> float:
     for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
         if line.startswith(name + "{"):
@@ -153,10 +141,10 @@ def ttft(lengths: list[int], num_prompts: int) -> None:
         }
         try:
             for name, process in procs.items():
-                _wait_healthy(url[name], process, logs[name])
+                wait_healthy(url[name], process, logs[name], 600)
             proxy_args = ["--prefill", url["producer"], "--decode", url["consumer"], "--port", str(ports["proxy"])]
             procs["proxy"] = _start(_folio("proxy", *proxy_args, "--decode-kv-port", str(ports["kv"])), logs["proxy"])
-            _wait_healthy(url["proxy"], procs["proxy"], logs["proxy"])
+            wait_healthy(url["proxy"], procs["proxy"], logs["proxy"], 600)
             for seed, length in enumerate(lengths, start=1):
                 parser = argparse.ArgumentParser()
                 add_serve_bench_args(parser)

@@ -27,6 +27,26 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def wait_healthy(url: str, process: subprocess.Popen[bytes], log_path: Path, timeout_s: float) -> None:
+    """Until ``GET url/health`` answers 200. RuntimeError with the log's tail if the process exits first,
+    TimeoutError (also with the tail) after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{process.args} exited with {process.returncode}:\n{_tail(log_path)}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"{url} was not healthy after {timeout_s:.0f} s:\n{_tail(log_path)}")
+
+
+def _tail(log_path: Path, num_chars: int = 3000) -> str:
+    return log_path.read_text(errors="replace")[-num_chars:] if log_path.exists() else ""
+
+
 class ServeProcess:
     """One `folio serve` with ``serve_args`` (engine and server flags); ``start`` waits until it is healthy."""
 
@@ -42,18 +62,11 @@ class ServeProcess:
         """Starts the server and waits for /health; RuntimeError with the log's tail if it exits or times out."""
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"folio serve exited with {self.process.returncode}:\n{self.log_tail()}")
-            try:
-                if httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        self.stop()
-        raise RuntimeError(f"folio serve was not healthy after {timeout_s:.0f} s:\n{self.log_tail()}")
+        try:
+            wait_healthy(self.base_url, self.process, self.log_path, timeout_s)
+        except TimeoutError:
+            self.stop()
+            raise
 
     def stop(self) -> None:
         """SIGTERM, then SIGKILL if it has not exited within STOP_TIMEOUT_S."""
