@@ -31,7 +31,9 @@ def _memoized_loading() -> Iterator[None]:
     mp = pytest.MonkeyPatch()
     original_load_model = worker_module.load_model
 
-    @functools.cache
+    # A few models, not every one the session built: each holds ~0.5-1 GB (weights, packed copies), and an unbounded
+    # memo grew a test process to 8 GB (13 GB in a pytest-xdist worker, killed by the OOM killer).
+    @functools.lru_cache(maxsize=3)
     def load_model_once(path: str, dtype: torch.dtype, device: torch.device, **kwargs: Any) -> Any:
         return original_load_model(path, dtype, device, **kwargs)
 
