@@ -77,8 +77,7 @@ class LowerTiers:
         remote_pairs = [(hit, block_id) for hit, block_id in pairs if isinstance(hit, RemoteBlock)]
         if remote_pairs and self.remote_tier is not None:
             self.remote_tier.load_hits([hit for hit, _ in remote_pairs], [block_id for _, block_id in remote_pairs])
-        num_swapped = self.host_tier.num_swapped_blocks(req_id) if self.host_tier is not None else None
-        if num_swapped is not None and self.host_tier is not None:
+        if self.host_tier is not None and (num_swapped := self.host_tier.num_swapped_blocks(req_id)) is not None:
             self.host_tier.swap_in(req_id, fresh_block_ids[:num_swapped])
 
     def store_to_disk(self, host_block_id: int, block_hash: int) -> None:

@@ -86,11 +86,16 @@ def _run_pipelined(scheduler: Scheduler, max_batches: int) -> tuple[dict[str, li
     return tokens, core.executor
 
 
-@pytest.mark.parametrize("max_batches", [2, 3])
-def test_batches_in_flight_give_the_tokens_of_one_step_at_a_time(max_batches: int) -> None:
+def _one_step_at_a_time_tokens() -> Any:
+    """The reference: the same 8 requests run one step at a time, with room for all of them."""
     reference = make_scheduler(num_blocks=64, max_num_batched_tokens=32, max_model_len=64)
     _add_requests(reference)
-    expected = run_to_completion(reference, make_worker(reference)).outputs
+    return run_to_completion(reference, make_worker(reference)).outputs
+
+
+@pytest.mark.parametrize("max_batches", [2, 3])
+def test_batches_in_flight_give_the_tokens_of_one_step_at_a_time(max_batches: int) -> None:
+    expected = _one_step_at_a_time_tokens()
     scheduler = make_scheduler(num_blocks=64, max_num_batched_tokens=32, max_model_len=64)
     _add_requests(scheduler)
     tokens, executor = _run_pipelined(scheduler, max_batches)
@@ -105,9 +110,7 @@ def test_preempting_requests_whose_batch_is_in_flight_changes_no_token(max_batch
     """12 blocks of 4 tokens for 8 requests of up to 43 tokens: preemptions (recompute) hit requests that sit in a
     batch still in flight; with 3 or 4 batches in flight such a request is admitted again before that batch's
     output is read: the output's token for it is stale (dropped), it resumes from the scheduler's own copy."""
-    reference = make_scheduler(num_blocks=64, max_num_batched_tokens=32, max_model_len=64)
-    _add_requests(reference)
-    expected = run_to_completion(reference, make_worker(reference)).outputs
+    expected = _one_step_at_a_time_tokens()
     scheduler = make_scheduler(num_blocks=12, max_num_batched_tokens=32, max_model_len=64)
     _add_requests(scheduler)
     tokens, _ = _run_pipelined(scheduler, max_batches)

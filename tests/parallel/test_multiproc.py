@@ -5,7 +5,6 @@ worker process outlives its engine."""
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -17,7 +16,7 @@ import torch
 
 from folio import LLM, SamplingParams
 from tests.parallel.conftest import TINY_KV_BYTES, kill_rank_mid_run, mark_failed, shm_names, shm_segments, shutdown
-from tests.server.conftest import start_server, wait_until
+from tests.server.conftest import start_server, stream_killing_after_first_event, wait_until
 
 _PROMPTS = [{"prompt_token_ids": [1, 5, 9, 17, 33, 40, 41]}, {"prompt_token_ids": [1, 90, 3, 4]}]
 _GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -106,16 +105,8 @@ def test_a_killed_worker_makes_the_server_answer_503_and_exit_1(tmp_path: Path, 
         workers = psutil.Process(core_pid).children()
         assert len(workers) == 2
         body = {"prompt": "w3 w4 w5", "max_tokens": 200, "ignore_eos": True, "stream": True}
-        events: list[str] = []
-        with httpx.stream("POST", server.url("/v1/completions"), json=body, timeout=_HANG_GUARD_S) as response:
-            assert response.status_code == 200
-            for line in response.iter_lines():
-                if line.startswith("data: "):
-                    events.append(line[len("data: ") :])
-                    if len(events) == 1:
-                        workers[-1].kill()
-        assert events[-1] == "[DONE]"
-        assert json.loads(events[-2])["error"]["code"] == "engine_dead"
+        error = stream_killing_after_first_event(server, body, workers[-1].kill, _HANG_GUARD_S)
+        assert error["code"] == "engine_dead"
         # marked dead before the error event went out; the server answers for 2 s more (as for the core's death)
         assert _status(server.url("/health")) == 503
         assert server.process.wait(timeout=_HANG_GUARD_S) == 1  # hang guard only

@@ -5,6 +5,7 @@ a fresh or special server (metrics counts, engine death, drain) start their own.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -188,3 +189,19 @@ def direction_values(logger: Any) -> dict[tuple[str, str], float]:
         for sample in family.samples:
             out[(sample.name, sample.labels.get("direction", ""))] = sample.value
     return out
+
+
+def stream_killing_after_first_event(server: ServerProcess, body: dict[str, Any], kill: Any, timeout_s: float) -> dict:
+    """Streams ``body`` from /v1/completions, calls ``kill()`` once the first event has arrived, reads the stream to
+    its end and returns the error of its last event before [DONE] (the stream must end with both)."""
+    events: list[str] = []
+    with httpx.stream("POST", server.url("/v1/completions"), json=body, timeout=timeout_s) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[len("data: ") :])
+                if len(events) == 1:
+                    kill()
+    assert events[-1] == "[DONE]"
+    error: dict = json.loads(events[-2])["error"]
+    return error

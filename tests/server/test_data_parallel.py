@@ -7,7 +7,6 @@ naming the flag. After every test on a live server, every core's KV usage is bac
 from __future__ import annotations
 
 import asyncio
-import json
 import signal
 import subprocess
 from collections.abc import Iterator
@@ -19,7 +18,15 @@ import openai
 import psutil
 import pytest
 
-from tests.server.conftest import MODEL_NAME, ServerProcess, folio_script, metric, start_server, wait_until
+from tests.server.conftest import (
+    MODEL_NAME,
+    ServerProcess,
+    folio_script,
+    metric,
+    start_server,
+    stream_killing_after_first_event,
+    wait_until,
+)
 
 DP_ARGS = ["--data-parallel-size", "2", "--max-model-len", "1024"]
 ENGINES = ("0", "1")
@@ -184,16 +191,8 @@ def test_a_killed_engine_core_makes_the_server_answer_503_and_exit_1(dp_server: 
     children = {child.pid for child in psutil.Process(dp_server.process.pid).children()}
     assert len(set(pids)) == 2 and set(pids) <= children
     body = {"model": MODEL_NAME, "prompt": "Tell me a story.", "max_tokens": 900, "ignore_eos": True, "stream": True}
-    events: list[str] = []
-    with httpx.stream("POST", dp_server.url("/v1/completions"), json=body, timeout=HANG_GUARD_S) as response:
-        assert response.status_code == 200
-        for line in response.iter_lines():
-            if line.startswith("data: "):
-                events.append(line[len("data: ") :])
-                if len(events) == 1:
-                    psutil.Process(pids[1]).send_signal(signal.SIGKILL)  # the core the stream is not on
-    assert events[-1] == "[DONE]"
-    assert json.loads(events[-2])["error"]["code"] == "engine_dead"
+    kill_other_core = lambda: psutil.Process(pids[1]).send_signal(signal.SIGKILL)  # noqa: E731 - not the stream's
+    assert stream_killing_after_first_event(dp_server, body, kill_other_core, HANG_GUARD_S)["code"] == "engine_dead"
     assert httpx.get(dp_server.url("/health"), timeout=10).status_code == 503
     assert dp_server.process.wait(timeout=HANG_GUARD_S) == 1  # hang guard only
     log = dp_server.log_tail(20000)

@@ -30,6 +30,7 @@ from tests.server.conftest import (
     parse_metrics,
     server_is_idle,
     start_server,
+    stream_killing_after_first_event,
     wait_until,
 )
 
@@ -43,16 +44,7 @@ def test_engine_core_death(tmp_path: Path) -> None:
     try:
         pid = httpx.get(server.url("/version")).json()["engine_core_pid"]
         body = {"prompt": "Tell me a long story.", "max_tokens": 2000, "ignore_eos": True, "stream": True}
-        events: list[str] = []
-        with httpx.stream("POST", server.url("/v1/completions"), json=body, timeout=60) as response:
-            assert response.status_code == 200
-            for line in response.iter_lines():
-                if line.startswith("data: "):
-                    events.append(line[len("data: ") :])
-                    if len(events) == 1:
-                        os.kill(pid, signal.SIGKILL)
-        assert events[-1] == "[DONE]"
-        error = json.loads(events[-2])["error"]
+        error = stream_killing_after_first_event(server, body, lambda: os.kill(pid, signal.SIGKILL), 60)
         assert error["code"] == "engine_dead" and set(error) == {"message", "type", "param", "code"}
         # The engine was marked dead before the error event went out, and the server keeps answering for
         # ENGINE_DEAD_EXIT_DELAY_S after that: one request each, no polling.
