@@ -38,9 +38,12 @@ def send_blocks(
     hashes = struct.pack(f"<{num_blocks}Q", *block_hashes)
     with socket.create_connection((host, port), timeout=timeout_s) as sock:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.sendall(header + hashes)
-        sock.sendall(payloads)
-        magic, num_stored = ACK.unpack(recv_exactly(sock, ACK.size))
+        try:
+            sock.sendall(header + hashes)
+            sock.sendall(payloads)
+            magic, num_stored = ACK.unpack(recv_exactly(sock, ACK.size))
+        except (BrokenPipeError, ConnectionResetError) as exc:  # the receiver refused the message and closed
+            raise WireError(f"the consumer at {host}:{port} closed the connection without an ack: {exc}") from exc
     if magic != ACK_MAGIC:
         raise WireError(f"the consumer at {host}:{port} answered with an unknown ack")
     return int(num_stored)
