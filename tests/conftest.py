@@ -12,6 +12,7 @@ import hashlib
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,44 @@ def hf_fixture_dir(gguf_path: str) -> Path:
             digest.update(chunk)
     digest.update(transformers.__version__.encode())
     return Path.home() / ".cache" / "folio" / "fixtures" / f"smollm2-hf-{digest.hexdigest()[:16]}"
+
+
+# Test directories whose modules share the engine tests' loaded models (tests/engine/conftest.py's memo): one
+# pytest-xdist work unit, so that only one worker holds those models (scripts/test.sh runs two workers).
+_SHARED_MODEL_DIRS = ("tests/engine/", "tests/model/")
+# Directories of kernel tests: each test runs its kernels on two OpenMP threads, whatever OMP_NUM_THREADS the
+# worker has (scripts/test.sh gives each worker one), so that the kernels' thread splits stay covered.
+_KERNEL_DIRS = ("tests/kernels/", "tests/attention/")
+
+
+def work_unit(nodeid: str) -> str:
+    """The pytest-xdist work unit of a test: the shared-model directories are one, every other module its own (a
+    module's server then starts once, on one worker)."""
+    path = nodeid.split("::", 1)[0]
+    return "shared-models" if path.startswith(_SHARED_MODEL_DIRS) else path
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Schedules by ``work_unit``, largest first. (xdist's own --dist loadgroup renames node ids, which pytest 9
+    no longer allows, and so falls back to one test at a time.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class WorkUnitScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
+
+    return WorkUnitScheduling(config, log)
+
+
+@pytest.fixture(autouse=True)
+def _kernel_threads(request: pytest.FixtureRequest) -> Iterator[None]:
+    if not request.node.nodeid.startswith(_KERNEL_DIRS):
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(threads, 2))
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(params=CPU_TIERS, ids=[tier.flag_name for tier in CPU_TIERS])

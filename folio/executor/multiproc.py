@@ -30,6 +30,7 @@ from folio.executor.worker_proc import WorkerFailed, WorkerReady, apply_ready, r
 _READY_TIMEOUT_S = 600.0
 _STOP_TIMEOUT_S = 5.0
 _PEER_EXIT_WAIT_S = 5.0  # a rank that saw its peer die: how long the peer's exit may take to be observable here
+_FAILURE_GRACE_S = 1.0  # any other failure: how long a peer's death that caused it may take to be seen here
 
 
 class MultiProcExecutor(DistributedExecutor):
@@ -126,12 +127,13 @@ class MultiProcExecutor(DistributedExecutor):
             self._failure = message.message
             self.shutdown()
             raise ValueError(message.message)
-        # a rank whose peer died fails in its next collective or stage message: the death is the cause to report.
-        # The shared-memory all-reduce notices a killed peer before it can be reaped: wait for its sentinel a moment.
-        if message.error_type == "PeerDiedError":
-            others = {proc.sentinel: proc for r, proc in enumerate(self._procs) if r != rank}
-            for sentinel in multiprocessing.connection.wait(list(others), _PEER_EXIT_WAIT_S):
-                others[sentinel].join(1.0)  # its sentinel fires as its files close, a moment before it is reapable
+        # A rank whose peer died fails in its next collective or stage message (gloo: the connection closed; the
+        # shared-memory all-reduce: PeerDiedError): the death is the cause to report. Either can come before the
+        # dead peer is reapable, so wait for the others' sentinels a moment (longer where the error says a peer died).
+        wait_s = _PEER_EXIT_WAIT_S if message.error_type == "PeerDiedError" else _FAILURE_GRACE_S
+        others = {proc.sentinel: proc for r, proc in enumerate(self._procs) if r != rank}
+        for sentinel in multiprocessing.connection.wait(list(others), wait_s):
+            others[sentinel].join(1.0)  # its sentinel fires as its files close, a moment before it is reapable
         dead = [r for r, proc in enumerate(self._procs) if r != rank and not proc.is_alive()]
         if dead:
             self._fail(self._death_message(dead[0]))

@@ -1,7 +1,8 @@
 """Fixtures for end-to-end engine tests on the real default model.
 
-Loading the GGUF (dequantize) and its tokenizer takes several seconds; engines with different configs in one
-test session reuse one loaded copy through a session-wide memo over the loader functions (test-only).
+Loading the GGUF (dequantize) and its tokenizer takes several seconds; engines with different configs reuse one
+loaded copy through a memo over the loader functions (test-only). The memo and the default engine live as long as
+this package's tests run (package scope), so a worker going on to other directories gives their memory back.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ HF_REFERENCE_NEW_TOKENS = 32
 TEST_KV_BYTES = 512 * 2**20
 
 
-@pytest.fixture(scope="session", autouse=True)
+@pytest.fixture(scope="package", autouse=True)
 def _memoized_loading() -> Iterator[None]:
     mp = pytest.MonkeyPatch()
     original_load_model = worker_module.load_model
@@ -49,7 +50,7 @@ def _memoized_loading() -> Iterator[None]:
 _LIVE_ENGINES: weakref.WeakSet[LLM] = weakref.WeakSet()  # every LLM built in this session and still alive
 
 
-@pytest.fixture(scope="session", autouse=True)
+@pytest.fixture(scope="package", autouse=True)
 def _track_engines() -> Iterator[None]:
     """Records every LLM built by the engine tests, so that ``_no_leaks_after_each_test`` can check them all."""
     mp = pytest.MonkeyPatch()
@@ -72,13 +73,13 @@ def _no_leaks_after_each_test() -> Iterator[None]:
         assert_no_leaks(engine)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def llm() -> LLM:
     """The default engine: SmolLM2 in float32 with default settings."""
     return LLM(dtype="float32", kv_cache_memory_bytes=TEST_KV_BYTES)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def hf_reference(hf_model: Any, tokenizer: Any) -> list[GreedyRun]:
     """transformers' float32 greedy runs over tests/engine/prompts.py: the reference every engine is held to."""
     return [hf_greedy(hf_model, ids, HF_REFERENCE_NEW_TOKENS) for ids in all_prompt_token_ids(tokenizer)]
