@@ -1,11 +1,10 @@
 """What the executors with one worker per rank share, whatever carries their steps (pipes to worker processes:
-multiproc.py; Ray actor tasks: ray_executor.py): the start-up checks, the rendezvous port, and a base class with
+multiproc.py; Ray actor tasks: ray_executor.py): the start-up checks and a base class with
 the ranks, the output rank, the failure that ends every later call, and the Executor interface's plain parts."""
 
 from __future__ import annotations
 
 import logging
-import socket
 from collections.abc import Callable
 from typing import Any, NoReturn
 
@@ -102,11 +101,3 @@ def check_num_devices(config: EngineConfig, device: str, available: float, where
         if tp > 1 and pp > 1:
             setting = f"tensor_parallel_size x pipeline_parallel_size ({tp} x {pp} = {world_size} ranks)"
         raise ValueError(f"{setting} needs one {device} per rank; {where} has {available:g}")
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A free TCP port on host (an address of this machine) for the rank group's rendezvous (rank 0, on this
-    machine, binds it moments later)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])

@@ -24,7 +24,7 @@ from typing import Any, NoReturn
 
 from folio.config import EngineConfig
 from folio.core.sched_output import ModelRunnerOutput, SchedulerOutput
-from folio.executor.distributed import DistributedExecutor, check_parallel_start, free_port
+from folio.executor.distributed import DistributedExecutor, check_parallel_start
 from folio.executor.worker_proc import WorkerFailed, WorkerReady, apply_ready, run_worker
 
 _READY_TIMEOUT_S = 600.0
@@ -39,7 +39,10 @@ class MultiProcExecutor(DistributedExecutor):
         check_parallel_start(config)
         _allow_children()
         ctx = multiprocessing.get_context("spawn")
-        port = free_port()
+        from folio.parallel.group import rendezvous_store  # torch: imported once an executor is built
+
+        self._rendezvous = rendezvous_store()  # the ranks meet here; it lives as long as this executor
+        port = self._rendezvous.port
         self._procs: list[Any] = []
         self._to_workers: list[Any] = []
         self._from_workers: list[Any] = []

@@ -26,7 +26,7 @@ from typing import Any
 
 from folio.config import EngineConfig
 from folio.core.sched_output import ModelRunnerOutput, SchedulerOutput
-from folio.executor.distributed import DistributedExecutor, check_num_devices, check_parallel_start, free_port
+from folio.executor.distributed import DistributedExecutor, check_num_devices, check_parallel_start
 from folio.executor.worker_proc import WorkerReady, apply_ready, is_output_rank, ready_message, start_worker
 
 logger = logging.getLogger("folio")
@@ -98,7 +98,10 @@ class RayExecutor(DistributedExecutor):
         described = self._wait_all([actor.describe.remote() for actor in self._actors], _READY_TIMEOUT_S)
         self.worker_pids = [pid for pid, _, _ in described]
         self.node_ids = [node_id for _, node_id, _ in described]
-        port = free_port(host)
+        from folio.parallel.group import rendezvous_store
+
+        self._rendezvous = rendezvous_store(host)  # the ranks meet at the driver; it lives as long as this executor
+        port = self._rendezvous.port
         starts = [actor.start.remote(config, r, host, port, on_gpu) for r, actor in enumerate(self._actors)]
         ready: list[WorkerReady] = self._wait_all(starts, _READY_TIMEOUT_S)
         apply_ready(config, ready[0])

@@ -60,6 +60,13 @@ class RankGroup:
         return int(t.item())
 
 
+def rendezvous_store(host: str = "127.0.0.1") -> Any:
+    """The ranks' rendezvous (a torch.distributed TCPStore), held by the executor for the group's life: it listens
+    on a port the kernel picks as it binds (``.port``). A port found free and bound later by rank 0 could be taken
+    by another process in between (two engines starting at once on a busy machine)."""
+    return dist.TCPStore(host, 0, None, True, timedelta(seconds=COLLECTIVE_TIMEOUT_S), wait_for_workers=False)
+
+
 def init_rank_group(
     rank: int,
     world_size: int,
@@ -68,17 +75,18 @@ def init_rank_group(
     cpu_allreduce: str | None = None,
     host: str = "127.0.0.1",
 ) -> RankGroup:
-    """Joins the group of world_size ranks whose rank 0 listens on host:port (gloo on the CPU, NCCL on CUDA); the
-    host is 127.0.0.1 for one machine's worker processes, the driver node's IP under Ray. ``cpu_allreduce``: "shm"
-    or "gloo" for the model's collectives on the CPU; None: no model collectives on this group (the pipeline's
-    world group: block counts and stage messages only)."""
+    """Joins the group of world_size ranks that meet at the rendezvous store on host:port (``rendezvous_store``;
+    gloo on the CPU, NCCL on CUDA); the host is 127.0.0.1 for one machine's worker processes, the driver node's IP
+    under Ray. ``cpu_allreduce``: "shm" or "gloo" for the model's collectives on the CPU; None: no model
+    collectives on this group (the pipeline's world group: block counts and stage messages only)."""
     backend = "nccl" if device_type == "cuda" else "gloo"
+    timeout = timedelta(seconds=COLLECTIVE_TIMEOUT_S)
     dist.init_process_group(
         backend,
-        init_method=f"tcp://{host}:{port}",
+        store=dist.TCPStore(host, port, None, False, timeout),
         rank=rank,
         world_size=world_size,
-        timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+        timeout=timeout,
     )
     return with_cpu_allreduce(RankGroup(rank, world_size, dist.group.WORLD), device_type, cpu_allreduce)
 

@@ -5,7 +5,9 @@ worker process outlives its engine."""
 
 from __future__ import annotations
 
+import errno
 import os
+import socket
 from collections.abc import Callable
 from pathlib import Path
 
@@ -15,6 +17,7 @@ import pytest
 import torch
 
 from folio import LLM, SamplingParams
+from folio.parallel.group import rendezvous_store
 from tests.parallel.conftest import TINY_KV_BYTES, kill_rank_mid_run, mark_failed, shm_names, shm_segments, shutdown
 from tests.server.conftest import start_server, stream_killing_after_first_event, wait_until
 
@@ -122,3 +125,14 @@ def _status(url: str) -> int | None:
         return httpx.get(url, timeout=10).status_code
     except httpx.TransportError:
         return None
+
+
+def test_the_rendezvous_port_is_held_from_the_moment_it_is_chosen() -> None:
+    """The ranks' rendezvous listens on its port as soon as it exists: no other process can take the port before
+    rank 0 starts (a port found free and bound later could be, with two engines starting at once)."""
+    store = rendezvous_store()
+    with socket.socket() as other, pytest.raises(OSError) as refused:
+        other.bind(("127.0.0.1", store.port))
+    assert refused.value.errno == errno.EADDRINUSE
+    with socket.create_connection(("127.0.0.1", store.port), timeout=10):
+        pass  # and it accepts the ranks' connections

@@ -18,8 +18,7 @@ import pytest
 import torch
 
 from folio import LLM, SamplingParams
-from folio.executor.distributed import free_port
-from folio.parallel.group import init_rank_group
+from folio.parallel.group import init_rank_group, rendezvous_store
 from folio.parallel.shm_allreduce import ShmCommunicator, shm_supported
 from tests.parallel.conftest import shm_names, shm_segments, shutdown
 
@@ -88,7 +87,8 @@ def _send(conn: Any, message: Any) -> None:
 def _run_ranks(world_size: int, ending: str) -> tuple[list[dict[str, Any]], list[tuple[str, Any]], list[int]]:
     """Spawns the ranks; returns each rank's results, each surviving rank's ending report, and the pids."""
     ctx = multiprocessing.get_context("spawn")
-    port = free_port()
+    store = rendezvous_store()  # held here until the ranks are done, as an executor holds it
+    port = store.port
     pipes = [ctx.Pipe() for _ in range(world_size)]
     procs = [
         ctx.Process(target=_rank_main, args=(r, world_size, port, ending, pipes[r][1]), daemon=True)
