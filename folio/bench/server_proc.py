@@ -7,6 +7,7 @@ with SIGTERM (the server drains, then exits 0).
 
 from __future__ import annotations
 
+import random
 import signal
 import socket
 import subprocess
@@ -21,10 +22,31 @@ STOP_TIMEOUT_S = 40.0
 
 
 def free_port() -> int:
-    """A port that was free a moment ago (the OS picks it); the server binds it right after."""
+    """A port that was free a moment ago, for a server that binds it right after: drawn below the kernel's
+    ephemeral range, which outgoing connections and other bind-to-0 callers draw from, so that no client of a busy
+    machine takes it in between (seen as a rare EADDRINUSE with two test workers starting servers); any free port
+    where nothing lies below that range."""
+    low = _ephemeral_range_start()
+    for port in random.sample(range(_FIRST_UNPRIVILEGED_PORT, low), min(64, max(0, low - _FIRST_UNPRIVILEGED_PORT))):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+_FIRST_UNPRIVILEGED_PORT = 10000  # well clear of the usual fixed service ports
+
+
+def _ephemeral_range_start() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
 
 
 def wait_healthy(url: str, process: subprocess.Popen[bytes], log_path: Path, timeout_s: float) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,8 @@ from typing import Any
 
 import httpx
 import pytest
+
+from folio.bench.server_proc import free_port
 
 # 512 MiB of KV (~11.6k tokens of SmolLM2), as the engine tests use.
 TEST_KV_BYTES = 512 * 2**20
@@ -30,12 +31,6 @@ def folio_script() -> str:
     if not script.exists():
         pytest.fail("the folio console script is not installed in the venv")
     return str(script)
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class ServerProcess:
