@@ -12,6 +12,8 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
+import queue
+import threading
 import traceback
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,13 +55,18 @@ def run_worker(config: EngineConfig, rank: int, world_size: int, port: int, sche
         _report_failure(results_out, rank, e, str(e))
         os._exit(1)
     results_out.send(ready_message(config, rank, worker))
+    sender = OutputSender(results_out) if is_output_rank(config, rank) else None
     try:
-        _serve(worker, is_output_rank(config, rank), sched_in, results_out)
+        _serve(worker, sched_in, sender)
     except (EOFError, BrokenPipeError, KeyboardInterrupt):
         os._exit(0)  # the core went away: nothing left to serve
     except Exception as e:
+        if sender is not None:
+            sender.close()  # its messages first: one writer on the pipe at a time
         _report_failure(results_out, rank, e, traceback.format_exc())
         os._exit(1)
+    if sender is not None:
+        sender.close()
 
 
 def start_worker(
@@ -115,14 +122,47 @@ def is_output_rank(config: EngineConfig, rank: int) -> bool:
     return rank == output_rank(parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
 
 
-def _serve(worker: Any, sends_output: bool, sched_in: Any, results_out: Any) -> None:
+def _serve(worker: Any, sched_in: Any, sender: OutputSender | None) -> None:
     while True:
         payload = sched_in.recv_bytes()
         if not payload:
             return
         output = worker.execute_model(pickle.loads(payload))
-        if sends_output:
-            results_out.send_bytes(pickle.dumps(output, protocol=pickle.HIGHEST_PROTOCOL))
+        if sender is not None:
+            sender.send(pickle.dumps(output, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+class OutputSender:
+    """Writes the output rank's ModelRunnerOutputs to the core from a thread of its own, in order, so that the
+    serving loop goes back to reading the next step while an output larger than the pipe's buffer waits for the core.
+    Written from the loop, such an output and a next step larger than the buffer, coming down while the core keeps
+    pipeline-parallel steps in flight, would each wait for the other to be read: a deadlock."""
+
+    def __init__(self, conn: Any) -> None:
+        self._conn = conn
+        self._queue: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self._error: OSError | None = None
+        self._thread = threading.Thread(target=self._run, name="folio-output-sender", daemon=True)
+        self._thread.start()
+
+    def send(self, data: bytes) -> None:
+        """Queues one message; raises the error that ended an earlier write (BrokenPipeError: the core is gone)."""
+        if self._error is not None:
+            raise self._error
+        self._queue.put(data)
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Writes what is queued (the core reads everything until it stops the workers), then ends the thread."""
+        self._queue.put(None)
+        self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        while (data := self._queue.get()) is not None:
+            try:
+                self._conn.send_bytes(data)
+            except OSError as e:
+                self._error = e
+                return
 
 
 def _report_failure(results_out: Any, rank: int, error: Exception, message: str) -> None:

@@ -4,6 +4,7 @@ greedy and seeded-sampling tokens, with the KV cache sized per rank; a killed st
 
 from __future__ import annotations
 
+import pickle
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -75,5 +76,46 @@ def test_prompt_logprobs_of_chunked_prefills_with_two_steps_in_flight(
     assert llm.llm_engine.engine_core.batch_queue.peak_in_flight == 2
     assert _tokens(outputs) == _tokens(expected)
     assert [len(out.prompt_logprobs or []) for out in outputs] == [len(out.prompt_logprobs or []) for out in expected]
+    assert [out.prompt_logprobs for out in outputs] == [out.prompt_logprobs for out in expected]
+    shutdown(llm)
+
+
+def test_a_step_larger_than_the_pipe_while_a_larger_output_waits(
+    tmp_path: Path, make_engine: Callable[..., LLM]
+) -> None:
+    """pp=2, two requests: step 1 prefills A with prompt logprobs (its output ~240 KB), step 2, sent while step 1 is in
+    flight, carries B's whole 40000-token prompt (~80 KB). Both exceed a pipe's 64 KiB buffer: the output rank must
+    not wait to write its output before reading the next step while the core waits to write that step (it hung so)."""
+    tiny_model = save_tiny_llama(tmp_path, max_position_embeddings=40960)
+    prompts = [{"prompt_token_ids": [1 + (7 * i + j) % 90 for j in range(n)]} for i, n in enumerate([1000, 40000])]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=20, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True),
+    ]
+    settings = {"max_model_len": 40960, "max_num_batched_tokens": 1024, "kv_cache_memory_bytes": 2**26}
+    expected = make_engine(tiny_model, **settings).generate(prompts, params, use_tqdm=False)
+    llm = make_engine(tiny_model, pipeline_parallel_size=2, **settings)
+    executor = llm.llm_engine.executor
+    sent: list[tuple[str, int]] = []  # ("step" | "output", pickled bytes), in the core's order
+    submit, collect = executor.submit, executor.collect
+
+    def sized_submit(scheduler_output: Any) -> None:
+        sent.append(("step", len(pickle.dumps(scheduler_output, protocol=pickle.HIGHEST_PROTOCOL))))
+        submit(scheduler_output)
+
+    def sized_collect() -> Any:
+        output = collect()
+        sent.append(("output", len(pickle.dumps(output, protocol=pickle.HIGHEST_PROTOCOL))))
+        return output
+
+    executor.submit, executor.collect = sized_submit, sized_collect  # type: ignore[method-assign]
+    outputs: list[Any] = []
+    thread = threading.Thread(target=lambda: outputs.extend(llm.generate(prompts, params, use_tqdm=False)), daemon=True)
+    thread.start()
+    thread.join(_HANG_GUARD_S)
+    assert not thread.is_alive(), "the pipeline hung"
+    # the case: the second step went down larger than a pipe's buffer before the first step's larger output came up
+    assert sent[1][0] == "step" and sent[1][1] > 2**16 and sent[2] == ("output", sent[2][1]) and sent[2][1] > 2**16
+    assert _tokens(outputs) == _tokens(expected)
     assert [out.prompt_logprobs for out in outputs] == [out.prompt_logprobs for out in expected]
     shutdown(llm)
