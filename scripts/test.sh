@@ -13,5 +13,5 @@ WORKERS=${FOLIO_TEST_WORKERS:-2}
 if [ "$WORKERS" = 0 ]; then
   .venv/bin/python -m pytest -q "$@"
 else
-  OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q -n "$WORKERS" "$@"
+  OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q -n "$WORKERS" --durations=15 "$@"
 fi

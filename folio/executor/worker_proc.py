@@ -61,9 +61,9 @@ def run_worker(config: EngineConfig, rank: int, world_size: int, port: int, sche
     except (EOFError, BrokenPipeError, KeyboardInterrupt):
         os._exit(0)  # the core went away: nothing left to serve
     except Exception as e:
-        if sender is not None:
-            sender.close()  # its messages first: one writer on the pipe at a time
-        _report_failure(results_out, rank, e, traceback.format_exc())
+        # its messages first, one writer on the pipe at a time; if they cannot go, the exit code alone tells the core
+        if sender is None or sender.close():
+            _report_failure(results_out, rank, e, traceback.format_exc())
         os._exit(1)
     if sender is not None:
         sender.close()
@@ -151,10 +151,12 @@ class OutputSender:
             raise self._error
         self._queue.put(data)
 
-    def close(self, timeout_s: float = 30.0) -> None:
-        """Writes what is queued (the core reads everything until it stops the workers), then ends the thread."""
+    def close(self, timeout_s: float = 30.0) -> bool:
+        """Writes what is queued (the core reads everything until it stops the workers), then ends the thread;
+        False if that took longer than ``timeout_s`` (the thread may still be writing)."""
         self._queue.put(None)
         self._thread.join(timeout_s)
+        return not self._thread.is_alive()
 
     def _run(self) -> None:
         while (data := self._queue.get()) is not None:

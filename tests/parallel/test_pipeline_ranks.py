@@ -84,15 +84,19 @@ def test_a_step_larger_than_the_pipe_while_a_larger_output_waits(
     tmp_path: Path, make_engine: Callable[..., LLM]
 ) -> None:
     """pp=2, two requests: step 1 prefills A with prompt logprobs (its output ~240 KB), step 2, sent while step 1 is in
-    flight, carries B's whole 40000-token prompt (~80 KB). Both exceed a pipe's 64 KiB buffer: the output rank must
-    not wait to write its output before reading the next step while the core waits to write that step (it hung so)."""
-    tiny_model = save_tiny_llama(tmp_path, max_position_embeddings=40960)
-    prompts = [{"prompt_token_ids": [1 + (7 * i + j) % 90 for j in range(n)]} for i, n in enumerate([1000, 40000])]
+    flight, carries B's whole 14000-token prompt (ids above 65535, 5 pickled bytes each: ~70 KB). Both exceed a pipe's
+    64 KiB buffer: the output rank must not wait to write its output before reading the next step while the core
+    waits to write that step (it hung so)."""
+    tiny_model = save_tiny_llama(tmp_path, vocab_size=70000, max_position_embeddings=16384)
+    prompts = [
+        {"prompt_token_ids": [1 + (7 * j) % 90 for j in range(1000)]},
+        {"prompt_token_ids": [65536 + j % 4000 for j in range(14000)]},
+    ]
     params = [
         SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=20, ignore_eos=True),
         SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True),
     ]
-    settings = {"max_model_len": 40960, "max_num_batched_tokens": 1024, "kv_cache_memory_bytes": 2**26}
+    settings = {"max_model_len": 16384, "max_num_batched_tokens": 1024, "kv_cache_memory_bytes": 2**26}
     expected = make_engine(tiny_model, **settings).generate(prompts, params, use_tqdm=False)
     llm = make_engine(tiny_model, pipeline_parallel_size=2, **settings)
     executor = llm.llm_engine.executor
