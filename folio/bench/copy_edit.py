@@ -114,6 +114,6 @@ def render_chat_for(dataset_name: str, tokenizer_path: str | None) -> Callable[[
     Folio's default model); None for every other dataset."""
     if dataset_name != "copy_edit":
         return None
-    from folio.model.loader import default_model_path, load_tokenizer
+    from folio.model.model_files import default_model_path, load_tokenizer
 
     return chat_renderer(load_tokenizer(tokenizer_path or default_model_path()))

@@ -67,7 +67,7 @@ def add_load_args(g: argparse._ArgumentGroup) -> None:
 def dataset_vocabulary(dataset_name: str, tokenizer: str | None) -> tuple[int, list[int], Any]:
     """(vocab size, special ids to avoid, tokenize function or None) of the model or tokenizer at ``tokenizer``
     (default: Folio's default model); the tokenizer loads only for custom text."""
-    from folio.model.loader import default_model_path, load_tokenizer, read_model_spec
+    from folio.model.model_files import default_model_path, load_tokenizer, read_model_spec
 
     path = tokenizer or default_model_path()
     if dataset_name == "w1":

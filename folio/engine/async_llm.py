@@ -23,7 +23,7 @@ from folio.engine.input_processor import InputProcessor, PromptType
 from folio.engine.output_processor import OutputProcessor, RequestOutputKind
 from folio.engine.stats import IterationStats, IterationStatsCollector, StatLogger
 from folio.logger import init_logger
-from folio.model.loader import default_model_path, load_tokenizer, read_model_spec
+from folio.model.model_files import default_model_path, load_tokenizer, read_model_spec
 from folio.outputs import RequestOutput
 from folio.sampling_params import SamplingParams
 

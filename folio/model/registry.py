@@ -1,35 +1,40 @@
 """Architecture name -> model class. One family class serves several Hugging Face architectures.
 
 Hugging Face names come from config.json "architectures"; GGUF names from "general.architecture" and are
-first mapped to a Hugging Face name, so the rest of the loader speaks one vocabulary.
+first mapped to a Hugging Face name, so the rest of the loader speaks one vocabulary. The names are checked
+without torch (the API server reads model specs too); the class is imported where a model is built.
 """
 
 from __future__ import annotations
 
-from folio.model.llama import LlamaForCausalLM
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from folio.model.llama import LlamaForCausalLM
 
 # Every supported architecture is Llama-shaped today; a second family would share LlamaForCausalLM's
-# interface (forward, compute_logits, load_weights) and this type would become a Protocol.
-_MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": LlamaForCausalLM,
-}
+# interface (forward, compute_logits, load_weights) and this map would name its class too.
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
 # GGUF general.architecture -> Hugging Face architecture. Only "llama" stores q/k in llama.cpp's permuted
 # rotary layout that the GGUF loader knows how to undo.
 GGUF_ARCHITECTURES: dict[str, str] = {"llama": "LlamaForCausalLM"}
 
-SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_MODEL_CLASSES)
+
+def check_architecture(architecture: str) -> None:
+    """Raises ValueError naming the architecture and the supported ones if it is unknown."""
+    if architecture not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"unsupported model architecture {architecture!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
 
 
 def get_model_class(architecture: str) -> type[LlamaForCausalLM]:
     """Raises ValueError naming the architecture and the supported ones if it is unknown."""
-    if architecture not in _MODEL_CLASSES:
-        raise ValueError(
-            f"unsupported model architecture {architecture!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
-    return _MODEL_CLASSES[architecture]
+    check_architecture(architecture)
+    from folio.model.llama import LlamaForCausalLM  # torch: only where a model is built
+
+    return LlamaForCausalLM
 
 
 def hf_architecture_for_gguf(gguf_architecture: str, path: str) -> str:

@@ -19,10 +19,11 @@ import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import tokenizers
 import transformers
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from folio.model.gguf_file import GGUFFile
 
@@ -60,7 +61,7 @@ def load_cached_tokenizer(
     if (entry / _COMPLETE_MARKER).is_file():
         try:
             extra = json.loads((entry / _EXTRA_KWARGS_FILE).read_text())
-            cached: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(entry, **extra)
+            cached: PreTrainedTokenizerBase = _tokenizer_class(entry).from_pretrained(entry, **extra)
         except Exception as e:  # whatever is wrong with the entry: convert again (and replace it below)
             logger.warning("tokenizer cache entry %s unreadable (%s): converting the GGUF tokenizer again", entry, e)
             damaged = True
@@ -70,6 +71,21 @@ def load_cached_tokenizer(
     tokenizer = convert()
     _save(tokenizer, entry, replace=damaged)
     return tokenizer
+
+
+# The classes a converted GGUF tokenizer saves as, loaded directly: AutoTokenizer's import pulls in torch (about a
+# second and 200 MB), which the API server process otherwise never needs.
+_DIRECT_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def _tokenizer_class(entry: Path) -> Any:
+    """The class to load an entry with: its saved tokenizer_class where that is a fast tokenizer, else AutoTokenizer."""
+    name = json.loads((entry / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    if name in _DIRECT_CLASSES and hasattr(transformers, name):
+        return getattr(transformers, name)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer
 
 
 def _save(tokenizer: PreTrainedTokenizerBase, entry: Path, replace: bool) -> None:

@@ -4,6 +4,8 @@ follows the header, and a damaged or unwritable cache falls back to the conversi
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -118,3 +120,19 @@ def test_an_unwritable_cache_still_gives_the_tokenizer(default_model_path: str, 
         assert load_cached_tokenizer(open_gguf(default_model_path), convert, not_a_dir / "cache") is tokenizer
     assert convert.calls == 2
     assert not_a_dir.read_text() == ""
+
+
+def test_the_api_server_side_loads_spec_and_cached_tokenizer_without_torch(default_model_path: str) -> None:
+    """The API server process needs the model's spec and tokenizer, never its weights: with the tokenizer cached
+    (the first load above converts), reading both and importing AsyncLLM leaves torch unimported (it costs a
+    server start about a second and 200 MB)."""
+    load_tokenizer(default_model_path)  # the cache entry exists from here on
+    script = (
+        "import sys\n"
+        "import folio.engine.async_llm\n"
+        "from folio.model.model_files import load_tokenizer, read_model_spec\n"
+        f"spec, tokenizer = read_model_spec({default_model_path!r}), load_tokenizer({default_model_path!r})\n"
+        "print(spec.architecture, type(tokenizer).__name__, 'torch' in sys.modules)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
+    assert result.stdout.split() == ["LlamaForCausalLM", "TokenizersBackend", "False"], result.stderr[-2000:]
