@@ -74,7 +74,7 @@ def load_cached_tokenizer(
 
 
 # The classes a converted GGUF tokenizer saves as, loaded directly: AutoTokenizer's import pulls in torch (about a
-# second and 200 MB), which the API server process otherwise never needs.
+# second of a server's start), which the API server process otherwise never needs.
 _DIRECT_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
 

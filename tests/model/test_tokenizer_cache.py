@@ -124,8 +124,8 @@ def test_an_unwritable_cache_still_gives_the_tokenizer(default_model_path: str, 
 
 def test_the_api_server_side_loads_spec_and_cached_tokenizer_without_torch(default_model_path: str) -> None:
     """The API server process needs the model's spec and tokenizer, never its weights: with the tokenizer cached
-    (the first load above converts), reading both and importing AsyncLLM leaves torch unimported (it costs a
-    server start about a second and 200 MB)."""
+    (the first load above converts), reading both and importing AsyncLLM leaves torch unimported (its import costs
+    a server start about a second)."""
     load_tokenizer(default_model_path)  # the cache entry exists from here on
     script = (
         "import sys\n"
