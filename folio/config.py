@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass, field
 
+from folio.config_dict import config_kwargs
 from folio.kernels.isa import IsaTier, cpu_info, is_x86_64, resolve_cpu_isa
 from folio.kv_transfer.config import KVTransferConfig, check_kv_transfer_combinations
 from folio.parallel.stages import PP_FLAG
@@ -205,12 +206,7 @@ class StructuredOutputsConfig:
             return StructuredOutputsConfig()
         if isinstance(value, StructuredOutputsConfig):
             return value
-        if not isinstance(value, dict):
-            raise ValueError(f"structured_outputs_config must be a JSON object, got {value!r}")
-        unknown = set(value) - {"backend"}
-        if unknown:
-            raise ValueError(f"structured_outputs_config has unknown fields {sorted(unknown)}; known: ['backend']")
-        return StructuredOutputsConfig(**value)  # type: ignore[arg-type]
+        return StructuredOutputsConfig(**config_kwargs("structured_outputs_config", value, StructuredOutputsConfig))
 
 
 @dataclass

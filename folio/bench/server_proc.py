@@ -19,6 +19,7 @@ import httpx
 
 START_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 40.0
+_FIRST_UNPRIVILEGED_PORT = 10000  # free ports are drawn from here up: well clear of fixed service ports
 
 
 def free_port() -> int:
@@ -37,9 +38,6 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
-
-
-_FIRST_UNPRIVILEGED_PORT = 10000  # well clear of the usual fixed service ports
 
 
 def _ephemeral_range_start() -> int:

@@ -9,8 +9,10 @@ default consumer (a request's ``kv_transfer_params`` may name another); for a co
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
+
+from folio.config_dict import config_kwargs
 
 KV_CONNECTORS = ("TcpConnector",)
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
@@ -67,13 +69,7 @@ class KVTransferConfig:
         """From EngineArgs' field: a config, a dict of its fields (as the CLI's JSON gives), or None (off)."""
         if value is None or isinstance(value, KVTransferConfig):
             return value
-        if not isinstance(value, dict):
-            raise ValueError(f"kv_transfer_config must be a JSON object, got {value!r}")
-        known = [f.name for f in fields(KVTransferConfig)]
-        unknown = set(value) - set(known)
-        if unknown:
-            raise ValueError(f"kv_transfer_config has unknown fields {sorted(unknown)}; known: {known}")
-        return KVTransferConfig(**value)  # type: ignore[arg-type]
+        return KVTransferConfig(**config_kwargs("kv_transfer_config", value, KVTransferConfig))
 
 
 def check_kv_transfer_combinations(

@@ -6,7 +6,9 @@ Pure Python (the engine core and the CLI read it). Every error is a ValueError t
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
+
+from folio.config_dict import config_kwargs
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")
 DEFAULT_PROMPT_LOOKUP = 5  # vLLM's n-gram default for both bounds when neither is given
@@ -65,15 +67,10 @@ class SpeculativeConfig:
         """From EngineArgs' field: a config, a dict of its fields (as the CLI's JSON gives), or None (off)."""
         if value is None or isinstance(value, SpeculativeConfig):
             return value
-        if not isinstance(value, dict):
-            raise ValueError(f"speculative_config must be a JSON object, got {value!r}")
-        known = [f.name for f in fields(SpeculativeConfig)]
-        unknown = set(value) - set(known)
-        if unknown:
-            raise ValueError(f"speculative_config has unknown fields {sorted(unknown)}; known: {known}")
-        if "method" in value and not isinstance(value["method"], str):
-            raise ValueError(f"speculative_config.method must be a string, got {value['method']!r}")
-        return SpeculativeConfig(**value)  # type: ignore[arg-type]
+        kwargs = config_kwargs("speculative_config", value, SpeculativeConfig)
+        if "method" in kwargs and not isinstance(kwargs["method"], str):
+            raise ValueError(f"speculative_config.method must be a string, got {kwargs['method']!r}")
+        return SpeculativeConfig(**kwargs)
 
 
 def _check_positive_int(name: str, value: object) -> None:

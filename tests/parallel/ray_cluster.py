@@ -22,7 +22,7 @@ from pathlib import Path
 
 import psutil
 
-from tests.server.conftest import free_port
+from folio.bench.server_proc import free_port
 
 _START_TIMEOUT_S = 120.0  # hang guard only
 # the subprocesses' own environment only (the engine reads none): no usage report attempts from the head
