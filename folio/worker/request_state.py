@@ -7,7 +7,9 @@ worker itself samples, so the scheduler never has to resend them (except to pipe
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import numpy as np
 
 from folio.core.sched_output import CachedRequestData, NewRequestData
 from folio.sampling_params import SamplingParams
@@ -21,10 +23,27 @@ class CachedRequestState:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    _token_buffer: np.ndarray | None = field(default=None, repr=False, compare=False)  # see token_array
+    _num_buffered: int = field(default=0, repr=False, compare=False)
 
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_array(self) -> np.ndarray:
+        """prompt + output as an int64 array view (n-gram speculation reads it every step). The worker only ever
+        appends outputs, so each call copies only what the lists gained since the last one, into a buffer that
+        doubles when full: no per-step copy of the whole history."""
+        num_tokens, buffer, done = self.num_tokens, self._token_buffer, self._num_buffered
+        if buffer is None or len(buffer) < num_tokens:
+            grown = np.empty(max(2 * num_tokens, 64), dtype=np.int64)
+            if buffer is not None:
+                grown[:done] = buffer[:done]
+            buffer = self._token_buffer = grown
+        if done < num_tokens:
+            buffer[done:num_tokens] = self.token_slice(done, num_tokens)
+            self._num_buffered = num_tokens
+        return buffer[:num_tokens]
 
     def token_slice(self, start: int, end: int) -> list[int]:
         """Token ids at positions [start, end) of prompt + output, without concatenating the whole list."""

@@ -151,7 +151,7 @@ def propose_drafts(proposer: NgramProposer, req_ids: Iterable[str], requests: Re
     drafts: dict[str, list[int]] = {}
     for req_id in req_ids:
         state = requests[req_id]
-        proposal = proposer.propose(state.prompt_token_ids + state.output_token_ids)
+        proposal = proposer.propose(state.token_array())
         if proposal:
             drafts[req_id] = proposal
     return drafts

@@ -45,3 +45,12 @@ def test_block_table_cut_before_new_blocks_are_appended() -> None:
     diff = CachedRequestData(["a", "b"], [[9], [11]], [[], []], [7, 2], num_kept_block_ids={"a": 2})
     states.apply_diffs(diff)
     assert (states["a"].block_ids, states["b"].block_ids) == ([5, 6, 9], [2, 3, 11])
+
+
+def test_token_array_follows_appended_outputs_across_growth() -> None:
+    s = state("a", list(range(50)), [], [1], 50)
+    assert s.token_array().tolist() == list(range(50))
+    for step in range(40):  # 1-3 tokens a step, 129 tokens in the end: past the first buffer's 100 slots
+        s.output_token_ids.extend([1000 + step] * (1 + step % 3))
+        assert s.token_array().tolist() == s.prompt_token_ids + s.output_token_ids
+    assert len(s.token_array()) == s.num_tokens == 129 and s.token_array().dtype.name == "int64"

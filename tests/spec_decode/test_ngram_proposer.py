@@ -75,8 +75,9 @@ def _reference(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
 
 def test_matches_brute_force_on_random_token_lists() -> None:
     rng = random.Random(19)
-    for _ in range(2000):
-        tokens = [rng.randrange(4) for _ in range(rng.randrange(0, 30))]
+    for _ in range(3000):
+        vocab = rng.choice([2, 4, 50])  # few tokens: many candidate positions, long partial matches
+        tokens = [rng.randrange(vocab) for _ in range(rng.randrange(0, rng.choice([30, 300])))]
         min_n = rng.randint(1, 3)
         max_n = rng.randint(min_n, 5)
         k = rng.randint(1, 6)
