@@ -19,7 +19,9 @@ import httpx
 
 START_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 40.0
-_FIRST_UNPRIVILEGED_PORT = 10000  # free ports are drawn from here up: well clear of fixed service ports
+# Free ports are drawn from here up: clear of fixed service ports and of Ray's default worker ports (10002-19999),
+# where a Ray node started beside our servers binds its workers (and which it refuses as its head's port).
+_FIRST_FREE_PORT = 20000
 
 
 def free_port() -> int:
@@ -28,7 +30,7 @@ def free_port() -> int:
     machine takes it in between (seen as a rare EADDRINUSE with two test workers starting servers); any free port
     where nothing lies below that range."""
     low = _ephemeral_range_start()
-    for port in random.sample(range(_FIRST_UNPRIVILEGED_PORT, low), min(64, max(0, low - _FIRST_UNPRIVILEGED_PORT))):
+    for port in random.sample(range(_FIRST_FREE_PORT, low), min(64, max(0, low - _FIRST_FREE_PORT))):
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             try:
                 sock.bind(("127.0.0.1", port))

@@ -7,10 +7,10 @@ import socket
 from folio.bench.server_proc import _ephemeral_range_start, free_port
 
 
-def test_free_ports_lie_below_the_ephemeral_range_and_are_free() -> None:
+def test_free_ports_lie_between_rays_worker_ports_and_the_ephemeral_range_and_are_free() -> None:
     low = _ephemeral_range_start()
     ports = {free_port() for _ in range(20)}
-    assert all(10000 <= port < low for port in ports), (ports, low)
+    assert all(20000 <= port < low for port in ports), (ports, low)  # Ray's workers take 10002-19999
     assert len(ports) > 1  # drawn at random, not one fixed port
     for port in ports:
         with socket.socket() as sock:
