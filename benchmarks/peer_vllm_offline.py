@@ -40,11 +40,34 @@ import json, sys, time
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 
+def kernel_libraries():  # vLLM's C++ kernel builds mapped here or in a descendant (the engine core loads them)
+    import os
+    parent = {}
+    for entry in os.listdir("/proc"):
+        try:
+            if entry.isdigit():
+                parent[int(entry)] = int(open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            pass
+    family, grew = {os.getpid()}, True
+    while grew:
+        more = {pid for pid, ppid in parent.items() if ppid in family} - family
+        family |= more
+        grew = bool(more)
+    found = set()
+    for pid in family:
+        try:
+            found |= {line.split("/")[-1].strip() for line in open(f"/proc/{pid}/maps") if "/vllm/_C" in line}
+        except OSError:
+            pass
+    return sorted(found)
+
 def main():
     hf_dir, dtype, w1, repeats = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
     prompts = [TokensPrompt(prompt_token_ids=p["ids"]) for p in json.load(open(w1))["prompts"]]
     llm = LLM(model=hf_dir, dtype=dtype, max_model_len=2048, seed=0, enable_prefix_caching=False)
     llm.generate(prompts[:4], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
+    print("KERNELS", " ".join(kernel_libraries()), flush=True)
     params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
     for _ in range(repeats):
         start = time.perf_counter()
@@ -94,11 +117,36 @@ print(json.dumps({"gflops": matmul / 1e9, "output_tokens_per_second": ceiling.ou
 def held_libraries(cpu_isa: str) -> dict[str, str]:
     """Below this CPU's own tier: the environment that holds MKL, oneDNN and ATen to the tier (as `folio
     --cpu-isa` does). vLLM gets it too, so that its GEMMs (torch's) run as on a CPU of the tier; its own C++
-    kernels stay as its wheel built them, which favours vLLM."""
+    kernels are held by ``held_vllm_kernels``."""
     from folio.kernels.isa import cpu_info, detect_tier, library_isa_env, resolve_cpu_isa
 
     flags = cpu_info()[1]
     return library_isa_env(resolve_cpu_isa(cpu_isa, flags), detect_tier(flags))
+
+
+# vLLM's CPU wheel holds three builds of its C++ kernels and loads one by torch's CPU checks (vllm/platforms/cpu.py:
+# _C with avx512_bf16, _C_AVX512, _C_AVX2). Below the CPU's own tier this sitecustomize, on vLLM's PYTHONPATH (its
+# engine-core process inherits it), answers those checks for the tier, so vLLM loads the build a CPU of the tier
+# would; torch.compile's code follows ATEN_CPU_CAPABILITY (held_libraries).
+_HOLD_KERNELS_SITE = """import torch.cpu
+torch.cpu._is_avx512_supported = lambda: {avx512}
+torch.cpu._is_avx512_bf16_supported = lambda: {avx512_bf16}
+"""
+
+
+def held_vllm_kernels(cpu_isa: str) -> dict[str, str]:
+    """The environment that makes vLLM load its kernels for ``cpu_isa`` (empty at the CPU's own tier)."""
+    from folio.kernels.isa import IsaTier, cpu_info, detect_tier, resolve_cpu_isa
+
+    flags = cpu_info()[1]
+    tier, native = resolve_cpu_isa(cpu_isa, flags), detect_tier(flags)
+    if tier >= native:
+        return {}
+    site = RESULTS / f"vllm_site_{tier.flag_name}"
+    site.mkdir(parents=True, exist_ok=True)
+    code = _HOLD_KERNELS_SITE.format(avx512=tier >= IsaTier.AVX512, avx512_bf16=tier >= IsaTier.AVX512_BF16)
+    (site / "sitecustomize.py").write_text(code)
+    return {"PYTHONPATH": str(site)}
 
 
 def folio_env(cpu_isa: str) -> dict[str, str]:
@@ -113,6 +161,12 @@ def vllm_env() -> dict[str, str]:
     if iomp.exists():
         env.setdefault("LD_PRELOAD", str(iomp))
     return env
+
+
+def kernel_builds(log_path: Path) -> str:
+    """The vLLM C++ kernel libraries its process had loaded (its KERNELS line)."""
+    lines = [line for line in log_path.read_text().splitlines() if line.startswith("KERNELS")]
+    return lines[-1].removeprefix("KERNELS").strip() if lines else "unknown"
 
 
 def run_engine(cmd: list[str], env: dict[str, str] | None, log_path: Path) -> list[float]:
@@ -133,8 +187,8 @@ def main() -> None:
     parser.add_argument(
         "--cpu-isa",
         default="auto",
-        help="Folio's --cpu-isa; below the CPU's own, torch's libraries of both engines and of the ceiling are held "
-        "to it too (vLLM's own C++ kernels are not) (default auto)",
+        help="Folio's --cpu-isa; below the CPU's own, torch's libraries of both engines and of the ceiling, and "
+        "vLLM's choice among its kernel builds, are held to it too (default auto)",
     )
     ns = parser.parse_args()
     header(
@@ -152,8 +206,9 @@ def main() -> None:
         for round_index in range(ns.rounds):
             log(f"{dtype} round {round_index + 1}/{ns.rounds}: vLLM")
             cmd = [str(python), "-c", VLLM_SCRIPT, str(HF_DIR), dtype, str(W1), str(ns.repeats)]
-            env = {**vllm_env(), **held_libraries(ns.cpu_isa)}
+            env = {**vllm_env(), **held_libraries(ns.cpu_isa), **held_vllm_kernels(ns.cpu_isa)}
             runs["vllm"] += run_engine(cmd, env, logs / f"vllm_offline_{dtype}_{round_index}.log")
+            log(f"  vLLM's kernels: {kernel_builds(logs / f'vllm_offline_{dtype}_{round_index}.log')}")
             log(f"{dtype} round {round_index + 1}/{ns.rounds}: Folio")
             cmd = [str(FOLIO_PYTHON), "-c", FOLIO_SCRIPT, default_model_path(), dtype, str(W1), str(ns.repeats)]
             cmd.append(ns.cpu_isa)
