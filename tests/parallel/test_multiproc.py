@@ -19,7 +19,7 @@ import torch
 from folio import LLM, SamplingParams
 from folio.parallel.group import rendezvous_store
 from tests.parallel.conftest import TINY_KV_BYTES, kill_rank_mid_run, mark_failed, shm_names, shm_segments, shutdown
-from tests.server.conftest import start_server, stream_killing_after_first_event, wait_until
+from tests.server.conftest import http_status, start_server, stream_killing_after_first_event, wait_until
 
 _PROMPTS = [{"prompt_token_ids": [1, 5, 9, 17, 33, 40, 41]}, {"prompt_token_ids": [1, 90, 3, 4]}]
 _GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -111,20 +111,13 @@ def test_a_killed_worker_makes_the_server_answer_503_and_exit_1(tmp_path: Path, 
         error = stream_killing_after_first_event(server, body, workers[-1].kill, _HANG_GUARD_S)
         assert error["code"] == "engine_dead"
         # marked dead before the error event went out; the server answers for 2 s more (as for the core's death)
-        assert _status(server.url("/health")) == 503
+        assert http_status(server) == 503
         assert server.process.wait(timeout=_HANG_GUARD_S) == 1  # hang guard only
         log = server.log_tail(20000)
         assert "RuntimeError: worker rank 1" in log and "died (exit code -9)" in log
         assert wait_until(lambda: not any(w.is_running() and w.status() != "zombie" for w in workers), 10)
     finally:
         server.stop()
-
-
-def _status(url: str) -> int | None:
-    try:
-        return httpx.get(url, timeout=10).status_code
-    except httpx.TransportError:
-        return None
 
 
 def test_the_rendezvous_port_is_held_from_the_moment_it_is_chosen() -> None:

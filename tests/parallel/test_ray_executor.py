@@ -11,6 +11,7 @@ tests here are skipped; inside, the reverse.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import re
@@ -28,13 +29,13 @@ from folio import LLM, SamplingParams
 from folio.cli import build_parser, engine_args_from
 from tests.engine.conftest import assert_no_leaks
 from tests.engine.greedy_compare import compare_greedy, from_folio_output
-from tests.parallel.conftest import kill_rank_mid_run, mark_failed, shutdown
+from tests.parallel.conftest import TINY_KV_BYTES, kill_rank_mid_run, mark_failed, shutdown
 from tests.parallel.ray_cluster import LocalRayCluster, loopback_only
-from tests.server.conftest import wait_until
+from tests.server.conftest import http_status, start_server, stream_killing_after_first_event, wait_until
 
 _HAS_RAY = importlib.util.find_spec("ray") is not None
 _IN_NAMESPACE = loopback_only()
-_CLUSTER_TESTS = 3  # the tests below that take the ray_cluster fixture
+_CLUSTER_TESTS = 4  # the tests below that take the ray_cluster fixture
 _NAMESPACE_RUN_TIMEOUT_S = 300.0  # hang guard only
 _TEMP_DIR_VARIABLE = "FOLIO_TEST_RAY_TEMP_DIR"
 _PROMPTS = [{"prompt_token_ids": [1, 5, 9, 17, 33, 40, 41, 60, 7]}, {"prompt_token_ids": [1, 90, 3, 4]}]
@@ -187,3 +188,36 @@ def test_ray_pp2_on_the_real_model_matches_tp1_then_a_killed_stage_fails_it(
             llm.generate(prompts, params, use_tqdm=False)
     finally:
         shutdown(llm)
+
+
+def _rank_actor_processes() -> list[psutil.Process]:
+    """The processes of the ranks' Ray actors on this machine (Ray titles them after the actor's class)."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        with contextlib.suppress(psutil.Error):
+            if (proc.info["cmdline"] or [""])[0].startswith("ray::RayWorker"):
+                found.append(proc)
+    return found
+
+
+@in_namespace
+def test_a_killed_ray_actor_makes_the_server_answer_503_and_exit_1(
+    tmp_path: Path, tiny_model: str, ray_pools_full_after: str
+) -> None:
+    """`folio serve` with tp=2 on the cluster: a rank's actor killed mid-stream ends the stream with engine_dead,
+    /health answers 503 and the server exits 1 with the dead rank in its log, as with the mp executor."""
+    args = ["--model", tiny_model, "-tp", "2", "--distributed-executor-backend", "ray"]
+    args += ["--ray-address", ray_pools_full_after, "--kv-cache-memory-bytes", str(TINY_KV_BYTES)]
+    server = start_server(tmp_path, "ray_death", [*args, "--max-model-len", "256"])
+    try:
+        actors = _rank_actor_processes()
+        assert len(actors) == 2, actors
+        body = {"prompt": "w3 w4 w5", "max_tokens": 200, "ignore_eos": True, "stream": True}
+        error = stream_killing_after_first_event(server, body, actors[-1].kill, _NAMESPACE_RUN_TIMEOUT_S)
+        assert error["code"] == "engine_dead"
+        assert http_status(server) == 503  # marked dead before the error event went out
+        assert server.process.wait(timeout=_NAMESPACE_RUN_TIMEOUT_S) == 1  # hang guard only
+        log = server.log_tail(20000)
+        assert "RuntimeError: worker rank" in log and "Ray actor on node" in log, log[-3000:]
+    finally:
+        server.stop()

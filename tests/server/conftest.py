@@ -164,6 +164,14 @@ def async_client_factory(server: ServerProcess) -> Any:
     return make
 
 
+def http_status(server: ServerProcess, path: str = "/health", method: str = "GET") -> int | None:
+    """The status code of one request to the server, or None once it is gone (a dying server's health checks)."""
+    try:
+        return httpx.request(method, server.url(path), timeout=10).status_code
+    except httpx.TransportError:
+        return None
+
+
 def wait_until(predicate: Any, timeout_s: float, interval_s: float = 0.2) -> bool:
     """Polls ``predicate`` until it is true or ``timeout_s`` passes; returns its last result."""
     deadline = time.monotonic() + timeout_s

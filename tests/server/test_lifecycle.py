@@ -26,6 +26,7 @@ from tests.server.conftest import (
     ServerProcess,
     folio_script,
     free_port,
+    http_status,
     metric,
     parse_metrics,
     server_is_idle,
@@ -48,19 +49,12 @@ def test_engine_core_death(tmp_path: Path) -> None:
         assert error["code"] == "engine_dead" and set(error) == {"message", "type", "param", "code"}
         # The engine was marked dead before the error event went out, and the server keeps answering for
         # ENGINE_DEAD_EXIT_DELAY_S after that: one request each, no polling.
-        assert _health_status(server, "GET", "/health") == 503
-        assert _health_status(server, "POST", "/ping") == 503
+        assert http_status(server) == 503
+        assert http_status(server, "/ping", "POST") == 503
         assert server.process.wait(timeout=60) == 1  # hang guard only
         assert "engine-core process died" in server.log_tail()
     finally:
         server.stop()
-
-
-def _health_status(server: ServerProcess, method: str = "GET", path: str = "/health") -> int | None:
-    try:
-        return httpx.request(method, server.url(path), timeout=10).status_code
-    except httpx.TransportError:
-        return None  # the server is already gone
 
 
 @pytest.fixture(scope="module")
@@ -233,7 +227,7 @@ def test_sigterm_drains_and_exits_0(keyed_server: ServerProcess) -> None:
 
 def _try_new_request(server: ServerProcess, headers: dict[str, str], outcome: list[int | None]) -> None:
     """A request that arrives during the drain (seen on /health): refused (the socket is closed) or 503."""
-    if not wait_until(lambda: _health_status(server) != 200, timeout_s=60, interval_s=0.05):
+    if not wait_until(lambda: http_status(server) != 200, timeout_s=60, interval_s=0.05):
         return  # outcome stays empty: the test fails on it
     try:
         body = {"prompt": "Hi", "max_tokens": 1}
