@@ -191,11 +191,11 @@ def test_ray_pp2_on_the_real_model_matches_tp1_then_a_killed_stage_fails_it(
 
 
 def _rank_actor_processes() -> list[psutil.Process]:
-    """The processes of the ranks' Ray actors on this machine (Ray titles them after the actor's class)."""
+    """The live processes of ranks' Ray actors on this machine (Ray titles them after the actor's class)."""
     found = []
-    for proc in psutil.process_iter(["cmdline"]):
+    for proc in psutil.process_iter(["cmdline", "status"]):
         with contextlib.suppress(psutil.Error):
-            if (proc.info["cmdline"] or [""])[0].startswith("ray::RayWorker"):
+            if (proc.info["cmdline"] or [""])[0].startswith("ray::RayWorker") and proc.info["status"] != "zombie":
                 found.append(proc)
     return found
 
@@ -210,8 +210,9 @@ def test_a_killed_ray_actor_makes_the_server_answer_503_and_exit_1(
     args += ["--ray-address", ray_pools_full_after, "--kv-cache-memory-bytes", str(TINY_KV_BYTES)]
     server = start_server(tmp_path, "ray_death", [*args, "--max-model-len", "256"])
     try:
+        # the server's two (an earlier test's killed actors may still be exiting)
+        assert wait_until(lambda: len(_rank_actor_processes()) == 2, 30), _rank_actor_processes()
         actors = _rank_actor_processes()
-        assert len(actors) == 2, actors
         body = {"prompt": "w3 w4 w5", "max_tokens": 200, "ignore_eos": True, "stream": True}
         error = stream_killing_after_first_event(server, body, actors[-1].kill, _NAMESPACE_RUN_TIMEOUT_S)
         assert error["code"] == "engine_dead"
