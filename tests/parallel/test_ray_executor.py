@@ -1,8 +1,9 @@
 """The Ray executor on a real two-node Ray cluster on 127.0.0.1 (tests/parallel/ray_cluster.py): tp=2 with one actor
 on each node gives one rank's greedy and seeded-sampling tokens; pp=2 on the real model follows tp=1 by the top-5
-rule, and a killed stage's actor then fails the engine at once, as a dead worker process does. Every engine ends
-with no KV block and no request held, and the cluster's CPUs are all free again after each test (the placement
-group removed). Without Ray installed, the backend is a clear error.
+rule, and a killed stage's actor then fails the engine at once, as a dead worker process does; served (`folio serve
+-tp 2`), a killed rank's actor makes the server answer 503 and exit 1. Every engine ends with no KV block and no
+request held, and the cluster's CPUs are all free again after each test (the placement group removed). Without Ray
+installed, the backend is a clear error.
 
 The cluster tests need a network namespace with only loopback in it (ray_cluster.py says why): run outside one,
 this module runs itself again under ``unshare -n`` (test_ray_tests_in_a_loopback_only_namespace) and the cluster
