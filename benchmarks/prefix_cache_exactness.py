@@ -9,7 +9,8 @@ decode attention kernel); computed whole, the same positions go through the pref
 order (an online softmax over blocks against three passes). In float32 those last-bit differences stay last-bit
 and every trial so far agreed; in bfloat16 each layer's output is rounded to bf16, so now and then one of them
 flips a rounding, and the K/V of later layers differ by a bf16 step. (Not the bf16 rounding of the softmax
-weights before P.V: with both kernels keeping them in float32, the same 3 of 10 trials differed; session 17.)
+weights before P.V: with both kernels keeping them in float32, the same 3 of 10 trials differed; with every decode
+row handed to the prefill tile instead, 10 of 10 were identical; docs/performance.md, session 17.)
 """
 
 from __future__ import annotations
