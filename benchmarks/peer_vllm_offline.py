@@ -31,6 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _peer_serve import FOLIO_PYTHON, RESULTS, default_model_path, header, log  # noqa: E402
 from peer_vllm import HF_DIR, VENV, VERSION, install_vllm, make_hf_dir  # noqa: E402
 
+from folio.kernels.isa import IsaTier, cpu_info, detect_tier, library_isa_env, resolve_cpu_isa  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 W1 = REPO.parent / "shared" / "workloads" / "w1_prompts.json"
 
@@ -114,14 +116,17 @@ print(json.dumps({"gflops": matmul / 1e9, "output_tokens_per_second": ceiling.ou
 """
 
 
+def tier_and_native(cpu_isa: str) -> tuple[IsaTier, IsaTier]:
+    """(the tier ``--cpu-isa`` asks for, this CPU's own)."""
+    flags = cpu_info()[1]
+    return resolve_cpu_isa(cpu_isa, flags), detect_tier(flags)
+
+
 def held_libraries(cpu_isa: str) -> dict[str, str]:
     """Below this CPU's own tier: the environment that holds MKL, oneDNN and ATen to the tier (as `folio
     --cpu-isa` does). vLLM gets it too, so that its GEMMs (torch's) run as on a CPU of the tier; its own C++
     kernels are held by ``held_vllm_kernels``."""
-    from folio.kernels.isa import cpu_info, detect_tier, library_isa_env, resolve_cpu_isa
-
-    flags = cpu_info()[1]
-    return library_isa_env(resolve_cpu_isa(cpu_isa, flags), detect_tier(flags))
+    return library_isa_env(*tier_and_native(cpu_isa))
 
 
 # vLLM's CPU wheel holds three builds of its C++ kernels and loads one by torch's CPU checks (vllm/platforms/cpu.py:
@@ -136,17 +141,14 @@ torch.cpu._is_avx512_bf16_supported = lambda: {avx512_bf16}
 
 def held_vllm_kernels(cpu_isa: str) -> dict[str, str]:
     """The environment that makes vLLM load its kernels for ``cpu_isa`` (empty at the CPU's own tier)."""
-    from folio.kernels.isa import IsaTier, cpu_info, detect_tier, resolve_cpu_isa
-
-    flags = cpu_info()[1]
-    tier, native = resolve_cpu_isa(cpu_isa, flags), detect_tier(flags)
+    tier, native = tier_and_native(cpu_isa)
     if tier >= native:
         return {}
     site = RESULTS / f"vllm_site_{tier.flag_name}"
     site.mkdir(parents=True, exist_ok=True)
     code = _HOLD_KERNELS_SITE.format(avx512=tier >= IsaTier.AVX512, avx512_bf16=tier >= IsaTier.AVX512_BF16)
     (site / "sitecustomize.py").write_text(code)
-    return {"PYTHONPATH": str(site)}
+    return {"PYTHONPATH": os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p)}
 
 
 def folio_env(cpu_isa: str) -> dict[str, str]:
