@@ -149,6 +149,9 @@ class ParallelConfig:
     # The tensor-parallel all-reduce / all-gather on the CPU: "shm" (shared memory, folio/parallel/shm_allreduce.py)
     # or "gloo" (torch.distributed over TCP). CUDA always uses NCCL.
     cpu_allreduce: str = "shm"
+    # tp that does not divide the attention (or KV) heads: whole KV heads with their query heads dealt out unevenly
+    # (folio/parallel/tensor_parallel.py ShardPlan); False: such a tp is refused, as vLLM refuses it
+    tensor_parallel_uneven_heads: bool = False
 
     def __post_init__(self) -> None:
         if self.cpu_allreduce not in CPU_ALLREDUCE_CHOICES:
@@ -267,6 +270,7 @@ class EngineArgs:
     # "kv_buffer_size"} (vLLM's names), or a KVTransferConfig; None: off
     kv_transfer_config: KVTransferConfig | dict[str, object] | None = None
     cpu_allreduce: str = "shm"  # tensor-parallel collectives on the CPU: "shm" (shared memory) or "gloo"
+    tensor_parallel_uneven_heads: bool = False  # a tp that does not divide the heads splits them unevenly
 
     def _check_draft_model_combinations(self) -> None:
         """The host / disk KV tiers keep the target's K/V only (a draft's would be lost), the no-op model no K/V."""
@@ -316,6 +320,7 @@ class EngineArgs:
             self.pipeline_parallel_size,
             self.ray_address,
             self.cpu_allreduce,
+            self.tensor_parallel_uneven_heads,
         )
         if parallel_config.world_size > 1 and self.kv_offloading_size > 0:
             raise ValueError(

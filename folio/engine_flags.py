@@ -165,7 +165,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=d.tensor_parallel_size,
         help="ranks that split every layer of the model (one worker process each; on the CPU they share the "
-        "machine's cores, on CUDA one GPU each); it must divide the model's attention heads (default 1)",
+        "machine's cores, on CUDA one GPU each); it must divide the model's attention heads unless "
+        "--tensor-parallel-uneven-heads (default 1)",
+    )
+    g.add_argument(
+        "--tensor-parallel-uneven-heads",
+        action="store_true",
+        default=d.tensor_parallel_uneven_heads,
+        help="accept a --tensor-parallel-size that does not divide the model's attention or KV heads: whole KV heads, "
+        "each with its query heads, are dealt out as evenly as they go (the ranks then differ in attention work; "
+        "vLLM refuses such a size) (default off: refused)",
     )
     g.add_argument(
         "--pipeline-parallel-size",

@@ -105,10 +105,12 @@ def cmd_bench_throughput(ns: argparse.Namespace) -> int:
     requests = dataset_requests(llm, ns)
     sampler = KVUsageSampler()
     llm.llm_engine.stats_observer = sampler
+    collectives_before = _collective_time(llm)
     start = time.perf_counter()
     outputs = _generate(llm, requests, use_tqdm=not ns.disable_tqdm)
     elapsed = time.perf_counter() - start
     llm.llm_engine.stats_observer = None
+    collectives_after = _collective_time(llm)
     num_input = sum(len(o.prompt_token_ids) for o in outputs)
     num_output = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     result: dict[str, Any] = {
@@ -132,11 +134,33 @@ def cmd_bench_throughput(ns: argparse.Namespace) -> int:
     if kv_usage is not None:
         print("\n".join(kv_usage.lines(max_model_len, mean_request_max)))
         result["kv_cache_usage"] = asdict(kv_usage)
+    if collectives_before is not None and collectives_after is not None:
+        result["tensor_parallel_collectives"] = _print_collectives(collectives_before, collectives_after, elapsed)
     ceiling = _flop_ceiling(llm, requests, result["output_tokens_per_second"])
     if ceiling is not None:
         result["flop_ceiling"] = ceiling
     _write_json(ns.output_json, result)
     return 0
+
+
+def _collective_time(llm: Any) -> tuple[float, int] | None:
+    """Tensor parallelism: (seconds the answering rank has spent in its collectives, steps collected) so far."""
+    if llm.llm_engine.config.parallel_config.tensor_parallel_size == 1:
+        return None
+    executor = llm.llm_engine.executor
+    return executor.collective_seconds, executor.steps_collected
+
+
+def _print_collectives(before: tuple[float, int], after: tuple[float, int], elapsed: float) -> dict[str, float]:
+    """The run's per-step communication: the answering rank's wall time in all-reduces and all-gathers (waiting
+    for its peers included) over the run's steps."""
+    seconds, steps = after[0] - before[0], after[1] - before[1]
+    per_step_ms = 1e3 * seconds / max(steps, 1)
+    print(
+        f"Tensor-parallel collectives (the rank that answers the core): {seconds:.2f} s over {steps} steps = "
+        f"{per_step_ms:.2f} ms a step, {100 * seconds / elapsed:.0f}% of the run"
+    )
+    return {"seconds": seconds, "steps": steps, "ms_per_step": per_step_ms, "fraction_of_run": seconds / elapsed}
 
 
 def _flop_ceiling(llm: Any, requests: list[SampleRequest], output_tps: float) -> dict[str, float] | None:

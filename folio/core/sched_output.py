@@ -187,6 +187,8 @@ class ModelRunnerOutput:
     # Speculative decoding: req_id -> drafts proposed after this step's tokens, for the next step (may be empty).
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
     kv_transfer: KVTransferResult | None = None  # disaggregated prefill: this step's sends and failed remote loads
+    # Tensor parallelism: the answering rank's wall time in its collectives so far (cumulative seconds); None at tp=1
+    collective_seconds: float | None = None
 
 
 @dataclass

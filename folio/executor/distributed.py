@@ -31,6 +31,10 @@ class DistributedExecutor:
         self.output_rank = output_rank(parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
         self._failure: str | None = None
         self._model_spec: ModelSpec | None = None
+        # the output rank's time in its tensor-parallel collectives (cumulative, as of the last step collected) and
+        # the steps collected: `folio bench throughput` prints the difference over its run per step
+        self.collective_seconds = 0.0
+        self.steps_collected = 0
 
     @property
     def model_spec(self) -> ModelSpec:
@@ -53,6 +57,14 @@ class DistributedExecutor:
         raise NotImplementedError
 
     def collect(self) -> ModelRunnerOutput:
+        """The oldest submitted step's ModelRunnerOutput (the output rank answers the steps in order)."""
+        output = self._collect()
+        self.steps_collected += 1
+        if output.collective_seconds is not None:
+            self.collective_seconds = output.collective_seconds
+        return output
+
+    def _collect(self) -> ModelRunnerOutput:
         raise NotImplementedError
 
     def shutdown(self) -> None:
@@ -84,7 +96,7 @@ def check_parallel_start(config: EngineConfig, count_local_gpus: bool = True) ->
     from folio.worker.device import resolve_device
 
     spec = read_model_spec(config.model_config.model)
-    check_tensor_parallel(spec, parallel.tensor_parallel_size)
+    check_tensor_parallel(spec, parallel.tensor_parallel_size, parallel.tensor_parallel_uneven_heads)
     check_pipeline_parallel(spec.num_hidden_layers, parallel.pipeline_parallel_size)
     if count_local_gpus and resolve_device(config.device).type == "cuda":
         import torch

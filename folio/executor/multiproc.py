@@ -81,8 +81,8 @@ class MultiProcExecutor(DistributedExecutor):
             except OSError:  # its end of the pipe is closed: the process is gone
                 self._fail(self._death_message(rank))
 
-    def collect(self) -> ModelRunnerOutput:
-        """The oldest submitted step's ModelRunnerOutput (the output rank answers the steps in order)."""
+    def _collect(self) -> ModelRunnerOutput:
+        """The output rank's next message: the oldest submitted step's ModelRunnerOutput."""
         self._raise_if_failed()
         rank, message = self._receive()
         if rank != self.output_rank or not isinstance(message, ModelRunnerOutput):

@@ -121,7 +121,7 @@ class RayExecutor(DistributedExecutor):
             if rank == self.output_rank:
                 self._outputs.append(ref)
 
-    def collect(self) -> ModelRunnerOutput:
+    def _collect(self) -> ModelRunnerOutput:
         """The oldest submitted step's ModelRunnerOutput, watching every rank's outstanding task meanwhile."""
         self._raise_if_failed()
         target = self._outputs.popleft()

@@ -9,6 +9,7 @@ keeps the rest.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -29,19 +30,32 @@ class RankGroup:
     world_size: int
     group: Any = None  # torch.distributed ProcessGroup; None only where world_size is 1 (no collectives)
     shm: ShmCommunicator | None = None  # CPU tensors' all-reduce / all-gather through shared memory; None: gloo
+    # Wall time this rank has spent in all_reduce / all_gather since it joined, waiting for its peers included:
+    # the per-step communication figure of `folio bench throughput` (on CUDA only the launches: NCCL runs async).
+    collective_seconds: float = 0.0
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sums x over the ranks, in place; returns it."""
+        if self.world_size == 1:
+            return x
+        start = time.perf_counter()
         if self.shm is not None and x.device.type == "cpu":
-            return self.shm.all_reduce(x)
-        if self.world_size > 1:
+            self.shm.all_reduce(x)
+        else:
             dist.all_reduce(x, group=self.group)
+        self.collective_seconds += time.perf_counter() - start
         return x
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """[...] on every rank -> [world_size, ...]: every rank's x, in rank order (x has the same shape everywhere)."""
         if self.world_size == 1:
             return x.unsqueeze(0)
+        start = time.perf_counter()
+        out = self._all_gather(x)
+        self.collective_seconds += time.perf_counter() - start
+        return out
+
+    def _all_gather(self, x: torch.Tensor) -> torch.Tensor:
         if self.shm is not None and x.device.type == "cpu":
             return self.shm.all_gather(x)
         # gloo wants the ranks' tensors concatenated along dim 0: [world_size * x.shape[0], ...], then viewed

@@ -6,10 +6,13 @@ Per decoder layer (rank r of tp):
                             the intermediate size; no communication.
     o_proj, down_proj       row-parallel: the matching input columns; the partial outputs are summed (all-reduce).
 KV heads are split like the query heads; where tp > num_kv_heads each KV head is replicated on tp / num_kv_heads
-ranks (vLLM's rule), so that every rank's query heads find their KV head locally. The embedding and the LM head are
-vocab-parallel: rank r holds a slice of the vocabulary rows; a lookup outside the slice gives zeros and the
-all-reduce fills them in; greedy decoding takes each rank's local (max logit, token) and all-gathers those pairs,
-never the logits (only sampling with logits needs them gathered). The model code (llama.py) knows none of this.
+ranks (vLLM's rule), so that every rank's query heads find their KV head locally. Where tp does not divide the
+heads, vLLM refuses; with ``uneven_heads`` (--tensor-parallel-uneven-heads) the whole KV heads (with their query
+heads) are dealt out as evenly as they go instead, as llama.cpp's row split takes uneven shares: the ranks then
+differ in attention work and KV bytes per block (the ranks agree on the smallest block count). The embedding and
+the LM head are vocab-parallel: rank r holds a slice of the vocabulary rows; a lookup outside the slice gives zeros
+and the all-reduce fills them in; greedy decoding takes each rank's local (max logit, token) and all-gathers those
+pairs, never the logits (only sampling with logits needs them gathered). The model code (llama.py) knows none of this.
 """
 
 from __future__ import annotations
@@ -28,18 +31,28 @@ from folio.model.spec import ModelSpec
 from folio.parallel.group import RankGroup
 
 
-def check_tensor_parallel(spec: ModelSpec, tp: int) -> None:
-    """Raises ValueError naming --tensor-parallel-size and the model's limit where tp cannot split the model."""
+def check_tensor_parallel(spec: ModelSpec, tp: int, uneven_heads: bool = False) -> None:
+    """Raises ValueError naming --tensor-parallel-size and the model's limit where tp cannot split the model.
+    uneven_heads (--tensor-parallel-uneven-heads) also accepts a tp that splits the KV heads (each with its query
+    heads) unevenly: any tp up to the KV heads, or a multiple of them up to the attention heads."""
     heads, kv_heads = spec.num_attention_heads, spec.num_key_value_heads
-    if heads % tp:
+    splits_unevenly = tp <= kv_heads or (tp % kv_heads == 0 and tp <= heads)
+    if uneven_heads and not splits_unevenly:
         raise ValueError(
-            f"tensor_parallel_size (--tensor-parallel-size) {tp} must divide the model's number of attention heads "
+            f"tensor_parallel_size (--tensor-parallel-size) {tp} with --tensor-parallel-uneven-heads must be at most "
+            f"the model's number of KV heads {kv_heads}, or a multiple of it up to its number of attention heads "
             f"{heads}"
         )
-    if (kv_heads % tp if tp <= kv_heads else tp % kv_heads) != 0:
+    hint = " (or set --tensor-parallel-uneven-heads to split them unevenly)" if splits_unevenly else ""
+    if not uneven_heads and heads % tp:
+        raise ValueError(
+            f"tensor_parallel_size (--tensor-parallel-size) {tp} must divide the model's number of attention heads "
+            f"{heads}{hint}"
+        )
+    if not uneven_heads and (kv_heads % tp if tp <= kv_heads else tp % kv_heads) != 0:
         raise ValueError(
             f"tensor_parallel_size (--tensor-parallel-size) {tp} must divide the model's number of KV heads "
-            f"{kv_heads} or be a multiple of it"
+            f"{kv_heads} or be a multiple of it{hint}"
         )
     if spec.intermediate_size % tp:
         raise ValueError(
@@ -61,27 +74,37 @@ class ShardPlan:
     vocab: tuple[int, int]
 
     @staticmethod
-    def make(spec: ModelSpec, rank: int, tp: int) -> ShardPlan:
-        check_tensor_parallel(spec, tp)
-        q_per_rank = spec.num_attention_heads // tp
+    def make(spec: ModelSpec, rank: int, tp: int, uneven_heads: bool = False) -> ShardPlan:
+        """Whole KV heads go to ranks with their query heads (grouped-query attention: query head h reads KV head
+        h // (heads / kv_heads)). tp <= kv_heads: rank r gets KV heads [r * kv / tp, (r + 1) * kv / tp), rounded
+        down (uneven where tp does not divide them: SmolLM2's 3 at tp=2 give rank 0 one, rank 1 two). tp >
+        kv_heads: tp / kv_heads ranks share each KV head (replicated, vLLM's rule) and split its query heads the
+        same way. Where tp divides everything this is the even split."""
+        check_tensor_parallel(spec, tp, uneven_heads)
         kv_heads = spec.num_key_value_heads
-        # tp > kv_heads: rank r shares KV head r // (tp / kv_heads) with its neighbours (replicated)
-        kv = (rank * kv_heads // tp, rank * kv_heads // tp + 1) if tp > kv_heads else _even(kv_heads, rank, tp)
+        group = spec.num_attention_heads // kv_heads
+        if tp <= kv_heads:
+            kv = _split(kv_heads, rank, tp)
+            q = (kv[0] * group, kv[1] * group)
+        else:
+            ranks_per_kv_head = tp // kv_heads
+            kv_head = rank // ranks_per_kv_head
+            kv = (kv_head, kv_head + 1)
+            first, last = _split(group, rank % ranks_per_kv_head, ranks_per_kv_head)
+            q = (kv_head * group + first, kv_head * group + last)
         vocab_per_rank = -(-spec.vocab_size // tp)  # the last rank's slice is shorter where tp does not divide it
         vocab = (rank * vocab_per_rank, min(spec.vocab_size, (rank + 1) * vocab_per_rank))
-        return ShardPlan(
-            (rank * q_per_rank, (rank + 1) * q_per_rank), kv, _even(spec.intermediate_size, rank, tp), vocab
-        )
+        return ShardPlan(q, kv, _split(spec.intermediate_size, rank, tp), vocab)
+
+    @property
+    def num_kv_heads(self) -> int:
+        """The KV heads this rank holds (what its KV cache is sized by)."""
+        return self.kv_heads[1] - self.kv_heads[0]
 
 
-def _even(size: int, rank: int, tp: int) -> tuple[int, int]:
-    per_rank = size // tp
-    return rank * per_rank, (rank + 1) * per_rank
-
-
-def local_num_kv_heads(spec: ModelSpec, tp: int) -> int:
-    """The KV heads one rank holds (what its KV cache is sized by): num_kv_heads / tp, at least 1."""
-    return max(1, spec.num_key_value_heads // tp)
+def _split(size: int, rank: int, parts: int) -> tuple[int, int]:
+    """Rank's part of range(size) cut into ``parts`` contiguous pieces, sizes differing by at most one."""
+    return rank * size // parts, (rank + 1) * size // parts
 
 
 class RowParallelLinear(Linear):
@@ -148,11 +171,11 @@ class TensorParallelLlamaForCausalLM(LlamaForCausalLM):
         return gathered[:, 1].gather(0, winner.unsqueeze(0)).squeeze(0).long()
 
 
-def apply_tensor_parallel(model: LlamaForCausalLM, group: RankGroup) -> None:
+def apply_tensor_parallel(model: LlamaForCausalLM, group: RankGroup, uneven_heads: bool = False) -> None:
     """Keeps rank ``group.rank``'s slice of every weight and swaps in the communicating layers. Call after the
     weights are loaded and before the CPU packing (which packs whatever slices the layers hold)."""
     spec = model.spec
-    plan = ShardPlan.make(spec, group.rank, group.world_size)
+    plan = ShardPlan.make(spec, group.rank, group.world_size, uneven_heads)
     for layer in model.model.layers:
         assert isinstance(layer, LlamaDecoderLayer)
         attn, mlp = layer.self_attn, layer.mlp

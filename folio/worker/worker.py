@@ -17,7 +17,7 @@ from folio.model.loader import ModelSpec, load_model
 from folio.model.noop import NoopCausalLM
 from folio.parallel.group import RankGroup
 from folio.parallel.pipeline_parallel import PipelineStage, apply_pipeline_parallel
-from folio.parallel.tensor_parallel import apply_tensor_parallel, local_num_kv_heads
+from folio.parallel.tensor_parallel import ShardPlan, apply_tensor_parallel
 from folio.spec_decode.ngram_proposer import NgramProposer
 from folio.worker.cpu_threads import CpuThreadGovernor
 from folio.worker.device import resolve_device, resolve_dtype
@@ -110,11 +110,18 @@ class Worker:
             # a pipeline stage's model holds (and caches) only its own layers
             num_layers=len(model.model.layers) if isinstance(model, LlamaForCausalLM) else spec.num_hidden_layers,
             block_size=self.config.cache_config.block_size,
-            num_kv_heads=local_num_kv_heads(spec, self.group.world_size),
+            num_kv_heads=self._local_num_kv_heads(spec),
             head_dim=spec.head_dim,
             dtype=self.dtype,
             head_major=isinstance(model, LlamaForCausalLM) and model.attn_backend.kv_cache_head_major,
         )
+
+    def _local_num_kv_heads(self, spec: ModelSpec) -> int:
+        """The KV heads this rank's cache holds: its tensor-parallel share (all of them at tp=1)."""
+        if self.group.world_size == 1:
+            return spec.num_key_value_heads
+        uneven = self.config.parallel_config.tensor_parallel_uneven_heads
+        return ShardPlan.make(spec, self.group.rank, self.group.world_size, uneven).num_kv_heads
 
     def _load_draft(self) -> LlamaForCausalLM | None:
         speculative = self.config.speculative_config
@@ -257,7 +264,7 @@ class Worker:
     def _shard(self, model: LlamaForCausalLM) -> None:
         """This rank's part of the loaded model: its tensor-parallel slice, then its pipeline stage's layers."""
         if self.group.world_size > 1:
-            apply_tensor_parallel(model, self.group)
+            apply_tensor_parallel(model, self.group, self.config.parallel_config.tensor_parallel_uneven_heads)
         if self.stage is not None:
             apply_pipeline_parallel(model, self.stage)
 
@@ -342,6 +349,8 @@ class Worker:
         output = self.model_runner.execute_model(scheduler_output)
         if self.kv_connector is not None:  # the producer's sends, once this step's K/V are written
             self.kv_connector.finish_step(scheduler_output, output)
+        if self.group.world_size > 1:
+            output.collective_seconds = self.group.collective_seconds
         return output
 
     def _govern_threads(self) -> None:

@@ -49,6 +49,11 @@ def test_one_worker_process_gives_the_in_process_tokens(tiny_model: str, make_en
             {"tensor_parallel_size": 2},
             r"tensor_parallel_size \(--tensor-parallel-size\) 2 must divide the model's number of attention heads 9",
         ),
+        (
+            {"tensor_parallel_size": 4, "tensor_parallel_uneven_heads": True},
+            r"tensor_parallel_size \(--tensor-parallel-size\) 4 with --tensor-parallel-uneven-heads must be at most "
+            "the model's number of KV heads 3, or a multiple of it up to its number of attention heads 9",
+        ),
         ({"tensor_parallel_size": 0}, "tensor_parallel_size must be >= 1, got 0"),
         (
             {"tensor_parallel_size": 3, "distributed_executor_backend": "uni"},

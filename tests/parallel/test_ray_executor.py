@@ -1,9 +1,9 @@
 """The Ray executor on a real two-node Ray cluster on 127.0.0.1 (tests/parallel/ray_cluster.py): tp=2 with one actor
-on each node gives one rank's greedy and seeded-sampling tokens; pp=2 on the real model follows tp=1 by the top-5
-rule, and a killed stage's actor then fails the engine at once, as a dead worker process does; served (`folio serve
--tp 2`), a killed rank's actor makes the server answer 503 and exit 1. Every engine ends with no KV block and no
-request held, and the cluster's CPUs are all free again after each test (the placement group removed). Without Ray
-installed, the backend is a clear error.
+on each node gives one rank's greedy and seeded-sampling tokens on a tiny model; on the real model tp=2 (uneven
+heads) and pp=2 follow tp=1 by the top-5 rule, and a killed stage's actor then fails the engine at once, as a dead
+worker process does; served (`folio serve -tp 2`), a killed rank's actor makes the server answer 503 and exit 1.
+Every engine ends with no KV block and no request held, and the cluster's CPUs are all free again after each test
+(the placement group removed). Without Ray installed, the backend is a clear error.
 
 The cluster tests need a network namespace with only loopback in it (ray_cluster.py says why): run outside one,
 this module runs itself again under ``unshare -n`` (test_ray_tests_in_a_loopback_only_namespace) and the cluster
@@ -26,7 +26,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from folio import LLM, SamplingParams
+from folio import LLM, RequestOutput, SamplingParams
 from folio.cli import build_parser, engine_args_from
 from tests.engine.conftest import assert_no_leaks
 from tests.engine.greedy_compare import compare_greedy, from_folio_output
@@ -36,12 +36,14 @@ from tests.server.conftest import http_status, start_server, stream_killing_afte
 
 _HAS_RAY = importlib.util.find_spec("ray") is not None
 _IN_NAMESPACE = loopback_only()
-_CLUSTER_TESTS = 4  # the tests below that take the ray_cluster fixture
+_CLUSTER_TESTS = 5  # the tests below that take the ray_cluster fixture
 _NAMESPACE_RUN_TIMEOUT_S = 300.0  # hang guard only
 _TEMP_DIR_VARIABLE = "FOLIO_TEST_RAY_TEMP_DIR"
 _PROMPTS = [{"prompt_token_ids": [1, 5, 9, 17, 33, 40, 41, 60, 7]}, {"prompt_token_ids": [1, 90, 3, 4]}]
 _GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 _SAMPLED = SamplingParams(temperature=0.8, top_p=0.9, seed=123, max_tokens=16, ignore_eos=True)
+_REAL_PROMPTS = ["The capital of France is", "def fibonacci(n):"]
+_REAL_GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=5)
 
 needs_ray = pytest.mark.skipif(not _HAS_RAY, reason="Ray is not installed: pip install -e .[ray]")
 # the cluster tests: skipped before their fixtures are built (the outer run does not build the tiny model)
@@ -53,6 +55,15 @@ in_namespace = pytest.mark.skipif(
 
 def _tokens(llm: LLM, params: SamplingParams) -> list[list[int]]:
     return [list(out.outputs[0].token_ids) for out in llm.generate(_PROMPTS, params, use_tqdm=False)]
+
+
+def _verdicts_against(reference: list[RequestOutput], llm: LLM) -> list[str]:
+    """llm's greedy outputs (with logprobs) on the real prompts held to the reference's by the top-5 rule."""
+    outputs = llm.generate(_REAL_PROMPTS, _REAL_GREEDY, use_tqdm=False)
+    return [
+        compare_greedy(from_folio_output(ref), from_folio_output(out), f"prompt {i}")
+        for i, (ref, out) in enumerate(zip(reference, outputs, strict=True))
+    ]
 
 
 def test_the_ray_backend_without_ray_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -118,6 +129,12 @@ def ray_cluster() -> Iterator[str]:
         cluster.stop()
 
 
+@pytest.fixture(scope="module")
+def real_reference(make_engine: Callable[..., LLM]) -> list[RequestOutput]:
+    """The real model's greedy outputs with logprobs at one in-process rank."""
+    return make_engine().generate(_REAL_PROMPTS, _REAL_GREEDY, use_tqdm=False)
+
+
 @pytest.fixture
 def ray_pools_full_after(ray_cluster: str) -> Iterator[str]:
     """After the test: every CPU of the cluster is free again (the executor removed its placement group)."""
@@ -162,31 +179,43 @@ def test_more_ranks_than_the_cluster_has_cpus_are_refused(tiny_model: str, ray_p
 
 
 @in_namespace
-def test_ray_pp2_on_the_real_model_matches_tp1_then_a_killed_stage_fails_it(
-    make_engine: Callable[..., LLM], ray_pools_full_after: str
+def test_ray_tp2_on_the_real_model_with_uneven_heads_matches_tp1(
+    make_engine: Callable[..., LLM], real_reference: list[RequestOutput], ray_pools_full_after: str
 ) -> None:
-    """The default model (9 heads: tp=2 does not divide them) in 2 stages of 15 layers, one actor per node; then
-    stage 0 is killed mid-run while the core waits on stage 1's output (one engine for both: an engine start costs
-    seconds on this machine)."""
-    prompts = ["The capital of France is", "def fibonacci(n):"]
-    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=5)
-    reference = make_engine().generate(prompts, params, use_tqdm=False)
+    """The default model's 9 heads and 3 KV heads at tp=2 (--tensor-parallel-uneven-heads: rank 0 one KV head,
+    rank 1 two), one actor on each node."""
+    llm = make_engine(
+        tensor_parallel_size=2,
+        tensor_parallel_uneven_heads=True,
+        distributed_executor_backend="ray",
+        ray_address=ray_pools_full_after,
+    )
+    try:
+        assert len(set(llm.llm_engine.executor.node_ids)) == 2
+        verdicts = _verdicts_against(real_reference, llm)
+    finally:
+        shutdown(llm)
+    print("Ray tp=2 (uneven heads) vs tp=1:", verdicts)
+
+
+@in_namespace
+def test_ray_pp2_on_the_real_model_matches_tp1_then_a_killed_stage_fails_it(
+    make_engine: Callable[..., LLM], real_reference: list[RequestOutput], ray_pools_full_after: str
+) -> None:
+    """The default model in 2 stages of 15 layers, one actor per node; then stage 0 is killed mid-run while the
+    core waits on stage 1's output (one engine for both: an engine start costs seconds on this machine)."""
     llm = make_engine(pipeline_parallel_size=2, distributed_executor_backend="ray", ray_address=ray_pools_full_after)
     try:
         executor = llm.llm_engine.executor
         assert len(set(executor.node_ids)) == 2 and executor.output_rank == 1
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        verdicts = [
-            compare_greedy(from_folio_output(ref), from_folio_output(out), f"prompt {i}")
-            for i, (ref, out) in enumerate(zip(reference, outputs, strict=True))
-        ]
+        verdicts = _verdicts_against(real_reference, llm)
         print("Ray pp=2 vs tp=1:", verdicts)
         assert_no_leaks(llm)
         mark_failed(llm)
-        node = executor.node_ids[0][:8]
-        kill_rank_mid_run(llm, prompts, 0, f"Ray actor on node {node}, exit type SYSTEM_ERROR", reaped_within_s=10)
+        death = f"Ray actor on node {executor.node_ids[0][:8]}, exit type SYSTEM_ERROR"
+        kill_rank_mid_run(llm, _REAL_PROMPTS, 0, death, reaped_within_s=10)
         with pytest.raises(RuntimeError, match="worker rank 0"):  # later calls fail the same way, never hang
-            llm.generate(prompts, params, use_tqdm=False)
+            llm.generate(_REAL_PROMPTS, _REAL_GREEDY, use_tqdm=False)
     finally:
         shutdown(llm)
 
