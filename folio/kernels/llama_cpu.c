@@ -15,7 +15,8 @@
  *   q|k|v  = normed @ Wqkv^T (+ bias);  rotary(q, k);  k, v -> cache;  attn = attention(q, cache)
  *   proj   = attn @ Wo^T;  normed = rms_norm(proj + h)  (h updated);  act = silu(gate) * up of normed @ Wgu^T
  *   proj   = act @ Wdown^T
- * and at the end: out = final_norm(proj + h).
+ * and at the end: out = final_norm(proj + h). Under tensor parallelism each proj is this rank's partial sum, and
+ * all_reduce_proj sums it over the ranks before it is used, as the row-parallel layers of the other path do.
  * Overlap: from a layer's o projection on, its GEMMs (compute-bound) also pull the next layer's decode K/V blocks
  * toward L2 / L3 (SidePrefetch in cpu_gemm.c), which the next layer's attention (memory-bound) would otherwise
  * stream from DRAM with the FMA units idle. */
@@ -36,6 +37,10 @@ typedef struct {
     const void *final_norm;         /* [H] */
     int64_t block_size, block_stride, head_stride, pos_stride; /* every layer's cache has this layout */
     int64_t kv_prefetch_bytes; /* the next layer's decode K/V the GEMMs prefetch (SidePrefetch): < 0 half the L3 */
+    /* Tensor parallelism (the o and down projections row-parallel): sums the step's `proj` buffer over the ranks
+     * after each of them, called by thread 0 between barriers; returns 0, else the forward stops and returns -2
+     * (a peer died: the caller raises its error). NULL at one rank. */
+    int (*all_reduce_proj)(void);
 } LlamaModelParams;
 
 /* One step: the token rows, the attention plan (as CpuPagedBackend builds it) and scratch buffers. */
@@ -62,7 +67,7 @@ typedef struct {
 /* Phases timed when LlamaStep.phase_seconds is set (their names: folio/model/cpu_fused.py PHASES). Each phase
  * ends at a barrier, so thread 0's clock between barriers is the phase's wall time. */
 enum { PHASE_NORM, PHASE_QKV, PHASE_ROPE_CACHE, PHASE_DECODE_ATTN, PHASE_PREFILL_ATTN, PHASE_O, PHASE_GATE_UP,
-       PHASE_SILU, PHASE_DOWN, LLAMA_NUM_PHASES };
+       PHASE_SILU, PHASE_DOWN, PHASE_ALL_REDUCE, LLAMA_NUM_PHASES };
 
 /* A GEMM k step asks for a line of the next layer's K/V every KV_PREFETCH_EVERY_MASK + 1 steps (SidePrefetch), in
  * steps of at least KV_PREFETCH_MIN_TOKENS rows: below that the GEMMs themselves wait on the weights' stream from

@@ -1,5 +1,6 @@
 /* The fused decoder for one element type (activations, weights and K/V cache alike), included once per type by
- * llama_cpu.c with ELEM_T, SUFFIX (f32, bf16) and IS_BF16. Returns 0, or -1 if a buffer could not be allocated. */
+ * llama_cpu.c with ELEM_T, SUFFIX (f32, bf16) and IS_BF16. Returns 0, -1 if a buffer could not be allocated, -2 if
+ * the tensor-parallel all-reduce failed (the layers after it not run). */
 int CAT(folio_llama_forward_, SUFFIX)(const LlamaModelParams *m, const LlamaStep *s) {
     const int64_t T = s->num_tokens, H = m->hidden, D = m->head_dim, inter = m->intermediate;
     const int64_t q_size = m->num_heads * D, qkv_size = q_size + 2 * m->num_kv_heads * D;
@@ -21,6 +22,7 @@ int CAT(folio_llama_forward_, SUFFIX)(const LlamaModelParams *m, const LlamaStep
         prefill_free_tiles(&prefill);
         return -1;
     }
+    int reduce_failed = 0; /* shared: set by thread 0, read by every thread after the barrier that follows */
 #pragma omp parallel num_threads(s->num_threads)
     {
         AttnScratch scratch;
@@ -39,6 +41,13 @@ int CAT(folio_llama_forward_, SUFFIX)(const LlamaModelParams *m, const LlamaStep
         const double now = omp_get_wtime();                                                                      \
         timing[k] += now - last;                                                                                 \
         last = now;                                                                                              \
+    }
+/* tensor parallelism: proj (complete: its GEMM ended at a barrier) summed over the ranks by thread 0, the others
+ * waiting at the barrier; on a failure every thread leaves the layer loop */
+#define ALL_REDUCE_PROJ()                                                                                        \
+    if (m->all_reduce_proj != NULL) {                                                                            \
+        _Pragma("omp master") if (m->all_reduce_proj() != 0) reduce_failed = 1;                                  \
+        _Pragma("omp barrier") PHASE_DONE(PHASE_ALL_REDUCE) if (reduce_failed) break;                            \
     }
         for (int64_t l = 0; l < m->num_layers; ++l) {
             const LlamaLayerParams *p = &m->layers[l];
@@ -69,6 +78,7 @@ int CAT(folio_llama_forward_, SUFFIX)(const LlamaModelParams *m, const LlamaStep
             }
             CAT(gemm_body_, SUFFIX)(attn_out, q_size, p->o, NULL, proj, IS_BF16, H, T, H, q_size, &side);
             PHASE_DONE(PHASE_O)
+            ALL_REDUCE_PROJ()
             CAT(rms_norm_body_, SUFFIX)(proj, H, hidden, p->post_norm, out, hidden, T, H, m->eps);
             PHASE_DONE(PHASE_NORM)
             CAT(gemm_body_, SUFFIX)(out, H, p->gate_up, NULL, gate_up, IS_BF16, 2 * inter, T, 2 * inter, H, &side);
@@ -77,13 +87,17 @@ int CAT(folio_llama_forward_, SUFFIX)(const LlamaModelParams *m, const LlamaStep
             PHASE_DONE(PHASE_SILU)
             CAT(gemm_body_, SUFFIX)(act, inter, p->down, NULL, proj, IS_BF16, H, T, H, inter, &side);
             PHASE_DONE(PHASE_DOWN)
+            ALL_REDUCE_PROJ()
         }
-        CAT(rms_norm_body_, SUFFIX)(proj, H, hidden, m->final_norm, out, hidden, T, H, m->eps);
-        PHASE_DONE(PHASE_NORM)
+        if (!reduce_failed) {
+            CAT(rms_norm_body_, SUFFIX)(proj, H, hidden, m->final_norm, out, hidden, T, H, m->eps);
+            PHASE_DONE(PHASE_NORM)
+        }
+#undef ALL_REDUCE_PROJ
 #undef PHASE_DONE
     }
     prefill_free_tiles(&prefill);
     free(kv_offsets);
     free(arena);
-    return 0;
+    return reduce_failed ? -2 : 0;
 }

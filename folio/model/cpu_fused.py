@@ -11,6 +11,7 @@ every other device and dtype.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -36,7 +37,9 @@ PHASES = (
     "gate_up_proj",
     "silu_and_mul",
     "down_proj",
+    "all_reduce",  # tensor parallelism: the row-parallel projections' sums over the ranks
 )
+_ALL_REDUCE_PROJ = ctypes.CFUNCTYPE(ctypes.c_int)
 
 
 class _LayerParams(ctypes.Structure):
@@ -70,6 +73,7 @@ class _ModelParams(ctypes.Structure):
         ("head_stride", _i64),
         ("pos_stride", _i64),
         ("kv_prefetch_bytes", _i64),
+        ("all_reduce_proj", _ALL_REDUCE_PROJ),
     ]
 
 
@@ -108,8 +112,26 @@ def _packed(module: Any) -> PackedWeight:
     return packed
 
 
+def _row_parallel_all_reduce(layers: list[Any]) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """Tensor parallelism: the all-reduce the row-parallel o and down projections end with (each carries its rank
+    group: folio/parallel/tensor_parallel.py RowParallelLinear), which the fused decoder then calls itself after
+    its own GEMMs; None for a model on one rank."""
+    groups = {
+        id(g): g
+        for layer in layers
+        for m in (layer.self_attn.o_proj, layer.mlp.down_proj)
+        if (g := getattr(m, "group", None)) is not None
+    }
+    if not groups:
+        return None
+    (group,) = groups.values()  # every layer reduces over the same ranks
+    return group.all_reduce  # type: ignore[no-any-return]
+
+
 class FusedCpuDecoder:
-    """Runs ``LlamaModel``'s decoder layers and final norm for one step (``forward``); build with ``create``."""
+    """Runs ``LlamaModel``'s decoder layers and final norm for one step (``forward``); build with ``create``.
+    Under tensor parallelism the C side calls back here after each row-parallel projection, to sum the step's
+    ``proj`` buffer over the ranks with the group's all-reduce (the shared-memory one on the CPU)."""
 
     def __init__(self, model: LlamaModel, backend: CpuPagedBackend, fn: Any, kv_prefetch_bytes: int | None) -> None:
         self._backend = backend
@@ -147,11 +169,28 @@ class FusedCpuDecoder:
             final_norm=model.norm.weight.data_ptr(),
             kv_prefetch_bytes=-1 if kv_prefetch_bytes is None else kv_prefetch_bytes,
         )
+        self._all_reduce = _row_parallel_all_reduce(layers)
+        self._proj: torch.Tensor | None = None  # the running step's proj buffer (what the callback sums)
+        self._reduce_error: BaseException | None = None  # the callback's exception, raised after the C call
+        if self._all_reduce is not None:
+            self._callback = _ALL_REDUCE_PROJ(self._all_reduce_proj)  # kept: the C side holds its address
+            self._params.all_reduce_proj = self._callback
         self._model = model  # the weights the pointers above refer to stay alive with it
         self._caches_bound: list[torch.Tensor] | None = None
         # while timing (set_phase_timing): one record per forward, (decode rows, prefill segments, seconds per phase)
         self.phase_records: list[tuple[int, int, list[float]]] | None = None
         self._phase_seconds = torch.zeros(len(PHASES), dtype=torch.float64)
+
+    def _all_reduce_proj(self) -> int:
+        """Called from the C forward (thread 0, between barriers): 0 once proj holds the sum over the ranks; 1 on an
+        error (kept for forward to raise: an exception cannot cross the C frames)."""
+        assert self._all_reduce is not None and self._proj is not None
+        try:
+            self._all_reduce(self._proj)
+        except BaseException as error:  # noqa: BLE001 - re-raised by forward
+            self._reduce_error = error
+            return 1
+        return 0
 
     def set_kv_prefetch_bytes(self, budget: int) -> None:
         """How much of the next layer's decode K/V the GEMMs of a layer prefetch (llama_cpu.c, SidePrefetch): a
@@ -250,7 +289,14 @@ class FusedCpuDecoder:
             num_threads=torch.get_num_threads(),
             phase_seconds=None if self.phase_records is None else self._phase_seconds.zero_().data_ptr(),
         )
-        if self._fn(ctypes.byref(self._params), ctypes.byref(step)) != 0:
+        self._proj = proj
+        status = self._fn(ctypes.byref(self._params), ctypes.byref(step))
+        self._proj = None
+        if status == -2:
+            error, self._reduce_error = self._reduce_error, None
+            assert error is not None
+            raise error
+        if status != 0:
             raise MemoryError("fused CPU decoder could not allocate its buffers")
         if self.phase_records is not None:
             self.phase_records.append((step.num_rows, step.num_segs, self._phase_seconds.tolist()))

@@ -250,9 +250,9 @@ class Worker:
             model_config.model,
             self.dtype,
             self.device,
-            # the fused CPU decoder runs every layer in one C call, with no collectives or stage messages between:
-            # TP and PP run layer by layer
-            enforce_eager=model_config.enforce_eager or self.world.world_size > 1,
+            # the fused CPU decoder runs every layer in one C call (under TP with the all-reduces called back from
+            # it), with no stage messages between: PP runs layer by layer
+            enforce_eager=model_config.enforce_eager or self.stage is not None,
             cpu_kernels=self.cpu_kernels,
             cpu_kv_prefetch_bytes=self.config.cpu_config.kv_prefetch_bytes,
             shard_model=self._shard if self.world.world_size > 1 else None,
@@ -275,7 +275,7 @@ class Worker:
         kernels = load_cpu_kernels(self.config.cpu_config.tier(), self.dtype)
         check_cpu_dtype(kernels.plan.dtype_name, kernels.tier)
         eager = " (fused decoder off: enforce_eager)" if self.config.model_config.enforce_eager else ""
-        eager = " (fused decoder off: layer by layer across ranks)" if self.world.world_size > 1 else eager
+        eager = " (fused decoder off: layer by layer across pipeline stages)" if self.stage is not None else eager
         logger.info("%s%s", kernels.describe(), eager)
         return kernels
 

@@ -83,6 +83,27 @@ def test_tp2_with_uneven_heads_on_the_real_model_matches_tp1(
     print("tp=2 (uneven heads) vs tp=1:", verdicts)
 
 
+def test_tp2_fused_decoder_gives_the_layer_by_layer_outputs_bit_for_bit(
+    make_engine: Callable[..., LLM], capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Under TP the fused CPU decoder runs every layer in one C call and calls the all-reduce back after its o and
+    down projections; its tokens and logprobs equal the layer-by-layer path's (enforce_eager) exactly, as the two
+    paths' outputs are equal at one rank. The ranks' start-up lines say which path each engine took."""
+    outputs = {}
+    for eager in (False, True):
+        llm = make_engine(tensor_parallel_size=2, tensor_parallel_uneven_heads=True, enforce_eager=eager)
+        try:
+            outputs[eager] = _greedy(llm, _REAL_PROMPTS, 10, 5)
+        finally:
+            shutdown(llm)
+        plan_lines = [line for line in capfd.readouterr().err.splitlines() if "fused_decoder=folio" in line]
+        assert len(plan_lines) == 2, plan_lines  # one per rank
+        assert all(line.endswith("(fused decoder off: enforce_eager)") == eager for line in plan_lines), plan_lines
+    for fused, eager in zip(outputs[False], outputs[True], strict=True):
+        assert list(fused.outputs[0].token_ids) == list(eager.outputs[0].token_ids)
+        assert fused.outputs[0].logprobs == eager.outputs[0].logprobs
+
+
 @pytest.mark.parametrize("tp", [2])
 def test_tiny_model_tp_matches_tp1(tiny_model: str, make_engine: Callable[..., LLM], tp: int) -> None:
     prompts = [{"prompt_token_ids": [1, 5, 9, 17, 33, 40, 41, 60, 7]}, {"prompt_token_ids": [1, 90, 3, 4]}]
