@@ -53,3 +53,51 @@ def test_fused_decoder_equals_layer_by_layer(default_model_path: str, cpu_tier: 
         assert torch.equal(out_fused, out_eager)
         for cache_fused, cache_eager in zip(caches["fused"], caches["eager"], strict=True):
             assert torch.equal(cache_fused, cache_eager)
+
+
+class _CountingGroup:
+    """A rank group of one: its all-reduce leaves the sum (this rank's proj) as it is and counts the calls; the
+    call numbered ``fail_at`` raises, as the shared-memory all-reduce does when a peer has died."""
+
+    def __init__(self, fail_at: int | None = None) -> None:
+        self.calls, self.fail_at = 0, fail_at
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise ConnectionError(f"peer gone at all-reduce {self.calls}")
+        return x
+
+
+def test_the_fused_decoder_calls_the_row_parallel_all_reduce_and_raises_its_failure(
+    default_model_path: str, cpu_tier: IsaTier
+) -> None:
+    """Under tensor parallelism the o and down projections carry their rank group; the fused decoder then calls
+    its all-reduce after each of them (2 per layer per step) with the step's proj buffer, and a failure there stops
+    the forward and is raised as it was (a group of one rank here: the sums leave proj as it is, so the output
+    equals the plain forward's bit for bit)."""
+    from folio.model.cpu_fused import FusedCpuDecoder
+
+    dtype, cpu = torch.float32, torch.device("cpu")
+    kernels = load_cpu_kernels(cpu_tier, dtype)
+    model, spec = load_model(default_model_path, dtype, cpu, show_progress=False, cpu_kernels=kernels)
+    if model.model.fused_cpu is None:
+        pytest.skip(f"{cpu_tier.flag_name}: the plan runs {kernels.plan.describe()}")
+    shape = KVCacheShape(spec.num_hidden_layers, BLOCK_SIZE, spec.num_key_value_heads, spec.head_dim, dtype, True)
+    attn = build_attn_metadata([20], [20], [[2, 0]], BLOCK_SIZE)
+    ids, positions = torch.arange(100, 120), torch.arange(20)
+    with torch.inference_mode():
+        expected = model(ids, positions, shape.allocate(4, cpu), attn)
+    for fail_at in (None, 7):
+        group = _CountingGroup(fail_at)
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.group = layer.mlp.down_proj.group = group
+        model.model.fused_cpu = FusedCpuDecoder.create(model.model, kernels)
+        with torch.inference_mode():
+            if fail_at is None:
+                assert torch.equal(model(ids, positions, shape.allocate(4, cpu), attn), expected)
+                assert group.calls == 2 * spec.num_hidden_layers
+            else:
+                with pytest.raises(ConnectionError, match="peer gone at all-reduce 7"):
+                    model(ids, positions, shape.allocate(4, cpu), attn)
+                assert group.calls == 7  # the layers after the failure did not run
