@@ -322,10 +322,14 @@ class EngineArgs:
             self.cpu_allreduce,
             self.tensor_parallel_uneven_heads,
         )
-        if parallel_config.world_size > 1 and self.kv_offloading_size > 0:
+        # the host tier runs under tensor parallelism (each rank its own heads' share); not yet across pipeline
+        # stages (a swap planned while the request's earlier step is still in flight), nor the disk tier with ranks
+        if self.pipeline_parallel_size > 1 and self.kv_offloading_size > 0:
+            raise ValueError(f"kv_offloading_size with {PP_FLAG} > 1 is not supported yet: set kv_offloading_size 0")
+        if parallel_config.world_size > 1 and self.kv_offloading_disk_path is not None:
             raise ValueError(
-                f"kv_offloading_size with {parallel_config.describe_ranks()} is not supported yet: "
-                "set kv_offloading_size 0 or one rank"
+                f"kv_offloading_disk_path with {parallel_config.describe_ranks()} is not supported yet: "
+                "drop the disk tier or run one rank"
             )
         if self.pipeline_parallel_size > 1:
             self._check_pipeline_combinations(speculative_config is not None)

@@ -66,11 +66,18 @@ class RankGroup:
 
     def min_int(self, value: int) -> int:
         """The smallest of every rank's value (the KV blocks every rank can hold)."""
+        return self._reduce_int(value, dist.ReduceOp.MIN)
+
+    def sum_int(self, value: int) -> int:
+        """The sum of every rank's value (the bytes of one KV block over all ranks)."""
+        return self._reduce_int(value, dist.ReduceOp.SUM)
+
+    def _reduce_int(self, value: int, op: Any) -> int:
         if self.world_size == 1:
             return value
         device = "cuda" if dist.get_backend(self.group) == "nccl" else "cpu"
         t = torch.tensor([value], dtype=torch.int64, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        dist.all_reduce(t, op=op, group=self.group)
         return int(t.item())
 
 

@@ -148,15 +148,19 @@ class Worker:
 
     def _allocate_host_tier(self, noop: bool) -> HostKVCache | None:
         """The host KV tier of --kv-offloading-size GiB: resolves cache_config.num_host_blocks (read by the engine
-        core's KV manager, built after the worker) and allocates it (pinned on CUDA). None when the tier is off."""
+        core's KV manager, built after the worker) and allocates it (pinned on CUDA). None when the tier is off.
+        With several ranks the size is their total, as vLLM's is: every rank holds every host block id for its own
+        KV heads and layers, so a host block costs the bytes of one device block summed over the ranks."""
         cache = self.config.cache_config
         shape = self.kv_shape
-        num_host_blocks = resolve_num_host_blocks(
-            cache.kv_offloading_size, shape.bytes_per_block, mem_available_bytes()
-        )
-        cache.num_host_blocks = num_host_blocks
-        if num_host_blocks == 0:
+        if cache.kv_offloading_size == 0:
+            cache.num_host_blocks = 0
             return None
+        num_host_blocks = resolve_num_host_blocks(
+            cache.kv_offloading_size, self.world.sum_int(shape.bytes_per_block), mem_available_bytes()
+        )
+        # the same count on every rank already; agreed so that no rank allocates before every rank's RAM check
+        num_host_blocks = cache.num_host_blocks = self.world.min_int(num_host_blocks)
         host = HostKVCache(
             shape.num_layers,
             0 if noop else num_host_blocks,  # the no-op model keeps no K/V: the tier is accounted, not allocated

@@ -68,8 +68,13 @@ def test_one_worker_process_gives_the_in_process_tokens(tiny_model: str, make_en
             r"cpu_allreduce \(--cpu-allreduce\) must be one of \('shm', 'gloo'\), got 'tcp'",
         ),
         (
-            {"tensor_parallel_size": 3, "kv_offloading_size": 0.01},
-            "kv_offloading_size with tensor_parallel_size 3 is not supported yet",
+            {
+                "tensor_parallel_size": 3,
+                "kv_offloading_size": 0.01,
+                "kv_offloading_disk_path": "/nonexistent/folio-kv",
+                "kv_offloading_disk_size": 0.1,
+            },
+            "kv_offloading_disk_path with tensor_parallel_size 3 is not supported yet",
         ),
     ],
 )
