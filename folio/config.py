@@ -278,11 +278,6 @@ class EngineArgs:
             raise ValueError("speculative_config.method 'draft_model' with kv_offloading_size is not implemented yet")
         if self.model_impl == "noop":
             raise ValueError("speculative_config.method 'draft_model' needs a real target model, not model_impl noop")
-        if self.tensor_parallel_size > 1:
-            raise ValueError(
-                "speculative_config.method 'draft_model' with tensor_parallel_size > 1 is not implemented yet: "
-                "the draft model is not sharded"
-            )
 
     def _check_pipeline_combinations(self, speculative: bool) -> None:
         """What pipeline parallelism does not run yet: drafts (the stages before the last never see the verdict),

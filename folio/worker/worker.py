@@ -110,14 +110,18 @@ class Worker:
             # a pipeline stage's model holds (and caches) only its own layers
             num_layers=len(model.model.layers) if isinstance(model, LlamaForCausalLM) else spec.num_hidden_layers,
             block_size=self.config.cache_config.block_size,
-            num_kv_heads=self._local_num_kv_heads(spec),
+            num_kv_heads=self._kv_heads_held(model, spec),
             head_dim=spec.head_dim,
             dtype=self.dtype,
             head_major=isinstance(model, LlamaForCausalLM) and model.attn_backend.kv_cache_head_major,
         )
 
-    def _local_num_kv_heads(self, spec: ModelSpec) -> int:
-        """The KV heads this rank's cache holds: its tensor-parallel share (all of them at tp=1)."""
+    def _kv_heads_held(self, model: LlamaForCausalLM | NoopCausalLM, spec: ModelSpec) -> int:
+        """The KV heads this rank's cache holds for ``model``: what its attention layers kept (the tensor-parallel
+        share of the target and of a self-draft, which is the target; all of a separate draft model, which every
+        rank runs whole); for the no-op model, the share its shard plan would give."""
+        if isinstance(model, LlamaForCausalLM):
+            return int(model.model.layers[0].self_attn.num_kv_heads)
         if self.group.world_size == 1:
             return spec.num_key_value_heads
         uneven = self.config.parallel_config.tensor_parallel_uneven_heads

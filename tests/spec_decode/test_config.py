@@ -92,5 +92,5 @@ def test_flag_reaches_engine_args_and_unsupported_combinations_are_refused_not_i
         EngineArgs(speculative_config=spec, kv_offloading_size=1.0).create_engine_config("model.gguf", 2048)
     with pytest.raises(ValueError, match="'draft_model' needs a real target model, not model_impl noop"):
         EngineArgs(speculative_config=spec, model_impl="noop").create_engine_config("model.gguf", 2048)
-    with pytest.raises(ValueError, match="'draft_model' with tensor_parallel_size > 1 is not implemented yet"):
-        EngineArgs(speculative_config=spec, tensor_parallel_size=3).create_engine_config("model.gguf", 2048)
+    tp3 = EngineArgs(speculative_config=spec, tensor_parallel_size=3).create_engine_config("model.gguf", 2048)
+    assert tp3.speculative_config == config  # the draft runs under tensor parallelism (tests/parallel)
