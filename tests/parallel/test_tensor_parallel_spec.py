@@ -1,8 +1,8 @@
-"""Draft-model speculative decoding under tensor parallelism (issue 19's method on issue 20's ranks), tp=2 on the
-real model with uneven heads. SmolLM2 as its own draft: the draft is the sharded target itself (its forward makes the
-same collectives on every rank), so nearly every draft is accepted. A separate tiny random draft of the same
-vocabulary: every rank runs it whole, with no collectives, and proposes the same drafts. Either way the greedy tokens
-are tp=2's without speculation."""
+"""Speculative decoding under tensor parallelism (issue 19's methods on issue 20's ranks), tp=2 on the real model
+with uneven heads. N-gram drafts: every rank proposes from the same tokens. SmolLM2 as its own draft: the draft is
+the sharded target itself (its forward makes the same collectives on every rank), so nearly every draft is accepted.
+A separate tiny random draft of the same vocabulary: every rank runs it whole, with no collectives, and proposes the
+same drafts. Every way, the greedy tokens are tp=2's without speculation."""
 
 from __future__ import annotations
 
@@ -60,3 +60,11 @@ def test_tp2_with_a_separate_draft_run_whole_on_every_rank_gives_tp2s_tokens(
     tokens, (verifications, drafted, accepted) = _run(make_engine(**TP2, speculative_config=spec))
     assert tokens == tp2_tokens
     assert verifications > 0 and drafted > 2 * verifications and accepted < 0.2 * drafted, (drafted, accepted)
+
+
+def test_tp2_with_ngram_drafts_gives_tp2s_tokens(make_engine: Callable[..., LLM], tp2_tokens: list[list[int]]) -> None:
+    """The n-gram proposer runs on every rank from the same tokens: the same drafts everywhere."""
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    tokens, (verifications, drafted, accepted) = _run(make_engine(**TP2, speculative_config=spec))
+    assert tokens == tp2_tokens
+    assert verifications > 0 and accepted > 0, (verifications, drafted, accepted)
