@@ -25,9 +25,12 @@ def _greedy(llm: LLM, prompts: list[Any], max_tokens: int, logprobs: int | None)
     return llm.generate(prompts, params, use_tqdm=False)
 
 
-def _check_against_tp1(reference: list[Any], candidate: LLM, prompts: list[Any], max_tokens: int) -> list[str]:
+def _check_against_tp1(
+    reference: list[Any], candidate: LLM, prompts: list[Any], max_tokens: int
+) -> tuple[list[str], list[Any]]:
     """candidate's greedy runs with logprobs (gathered logits) held to tp=1's by the top-5 rule; its runs without
-    (distributed arg-max) must pick exactly the tokens of its own gathered-logits runs."""
+    (distributed arg-max) must pick exactly the tokens of its own gathered-logits runs. Returns the verdicts and the
+    runs with logprobs."""
     with_logprobs = _greedy(candidate, prompts, max_tokens, 5)
     verdicts = [
         compare_greedy(from_folio_output(ref), from_folio_output(out), f"prompt {i}")
@@ -36,7 +39,7 @@ def _check_against_tp1(reference: list[Any], candidate: LLM, prompts: list[Any],
     argmax_only = _greedy(candidate, prompts, max_tokens, None)
     for a, b in zip(with_logprobs, argmax_only, strict=True):
         assert list(a.outputs[0].token_ids) == list(b.outputs[0].token_ids)
-    return verdicts
+    return verdicts, with_logprobs
 
 
 _REAL_PROMPTS = ["The capital of France is", "def fibonacci(n):"]
@@ -57,51 +60,44 @@ def test_tp3_on_the_real_model_matches_tp1(make_engine: Callable[..., LLM], real
         assert len(tp3.llm_engine.executor.worker_pids) == 3
         # every rank holds 1 of the 3 KV heads: a third of tp=1's bytes per block, so its 2**26 bytes hold 3x the blocks
         assert tp3.llm_engine.config.cache_config.num_blocks == 3 * tp1_blocks
-        verdicts = _check_against_tp1(reference, tp3, _REAL_PROMPTS, 10)
+        verdicts, _ = _check_against_tp1(reference, tp3, _REAL_PROMPTS, 10)
     finally:
         shutdown(tp3)
     print("tp=3 vs tp=1:", verdicts)
 
 
 def test_tp2_with_uneven_heads_on_the_real_model_matches_tp1(
-    make_engine: Callable[..., LLM], real_tp1: tuple[list[Any], int]
+    make_engine: Callable[..., LLM], real_tp1: tuple[list[Any], int], capfd: pytest.CaptureFixture[str]
 ) -> None:
     """tp=2 does not divide SmolLM2's 9 heads and 3 KV heads: with --tensor-parallel-uneven-heads rank 0 holds KV
     head 0 with query heads 0-2, rank 1 KV heads 1-2 with query heads 3-8. The ranks agree on rank 1's block count
-    (2 of 3 KV heads: 1.5x tp=1's blocks). The answering rank's time in collectives reaches the executor."""
+    (2 of 3 KV heads: 1.5x tp=1's blocks). The answering rank's time in collectives reaches the executor.
+    The ranks run the fused CPU decoder, which calls the all-reduce back after its o and down projections: its
+    tokens and logprobs equal the layer-by-layer path's (enforce_eager) bit for bit, as the two paths' outputs are
+    equal at one rank. The ranks' start-up lines say which path each engine took."""
     reference, tp1_blocks = real_tp1
-    tp2 = make_engine(tensor_parallel_size=2, tensor_parallel_uneven_heads=True)
-    try:
-        executor = tp2.llm_engine.executor
-        assert len(executor.worker_pids) == 2
-        assert tp2.llm_engine.config.cache_config.num_blocks in (3 * tp1_blocks // 2, 3 * tp1_blocks // 2 + 1)
-        seconds_before, steps_before = executor.collective_seconds, executor.steps_collected
-        verdicts = _check_against_tp1(reference, tp2, _REAL_PROMPTS, 10)
-        assert executor.steps_collected > steps_before and executor.collective_seconds > seconds_before
-    finally:
-        shutdown(tp2)
-    print("tp=2 (uneven heads) vs tp=1:", verdicts)
-
-
-def test_tp2_fused_decoder_gives_the_layer_by_layer_outputs_bit_for_bit(
-    make_engine: Callable[..., LLM], capfd: pytest.CaptureFixture[str]
-) -> None:
-    """Under TP the fused CPU decoder runs every layer in one C call and calls the all-reduce back after its o and
-    down projections; its tokens and logprobs equal the layer-by-layer path's (enforce_eager) exactly, as the two
-    paths' outputs are equal at one rank. The ranks' start-up lines say which path each engine took."""
     outputs = {}
     for eager in (False, True):
-        llm = make_engine(tensor_parallel_size=2, tensor_parallel_uneven_heads=True, enforce_eager=eager)
+        tp2 = make_engine(tensor_parallel_size=2, tensor_parallel_uneven_heads=True, enforce_eager=eager)
         try:
-            outputs[eager] = _greedy(llm, _REAL_PROMPTS, 10, 5)
+            if eager:
+                outputs[eager] = _greedy(tp2, _REAL_PROMPTS, 10, 5)
+                continue
+            executor = tp2.llm_engine.executor
+            assert len(executor.worker_pids) == 2
+            assert tp2.llm_engine.config.cache_config.num_blocks in (3 * tp1_blocks // 2, 3 * tp1_blocks // 2 + 1)
+            seconds_before, steps_before = executor.collective_seconds, executor.steps_collected
+            verdicts, outputs[eager] = _check_against_tp1(reference, tp2, _REAL_PROMPTS, 10)
+            assert executor.steps_collected > steps_before and executor.collective_seconds > seconds_before
         finally:
-            shutdown(llm)
+            shutdown(tp2)
         plan_lines = [line for line in capfd.readouterr().err.splitlines() if "fused_decoder=folio" in line]
         assert len(plan_lines) == 2, plan_lines  # one per rank
         assert all(line.endswith("(fused decoder off: enforce_eager)") == eager for line in plan_lines), plan_lines
-    for fused, eager in zip(outputs[False], outputs[True], strict=True):
-        assert list(fused.outputs[0].token_ids) == list(eager.outputs[0].token_ids)
-        assert fused.outputs[0].logprobs == eager.outputs[0].logprobs
+    for fused, layer_by_layer in zip(outputs[False], outputs[True], strict=True):
+        assert list(fused.outputs[0].token_ids) == list(layer_by_layer.outputs[0].token_ids)
+        assert fused.outputs[0].logprobs == layer_by_layer.outputs[0].logprobs
+    print("tp=2 (uneven heads) vs tp=1:", verdicts)
 
 
 @pytest.mark.parametrize("tp", [2])
@@ -115,7 +111,7 @@ def test_tiny_model_tp_matches_tp1(tiny_model: str, make_engine: Callable[..., L
     expected_sampled = [o.outputs[0].token_ids for o in reference_llm.generate(prompts, sampled, use_tqdm=False)]
     llm = make_engine(tiny_model, tensor_parallel_size=tp)
     try:
-        verdicts = _check_against_tp1(reference, llm, prompts, 16)
+        verdicts, _ = _check_against_tp1(reference, llm, prompts, 16)
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, sampled, use_tqdm=False)] == expected_sampled
     finally:
         shutdown(llm)
