@@ -317,10 +317,7 @@ class EngineArgs:
             self.cpu_allreduce,
             self.tensor_parallel_uneven_heads,
         )
-        # the host tier runs under tensor parallelism (each rank its own heads' share); not yet across pipeline
-        # stages (a swap planned while the request's earlier step is still in flight), nor the disk tier with ranks
-        if self.pipeline_parallel_size > 1 and self.kv_offloading_size > 0:
-            raise ValueError(f"kv_offloading_size with {PP_FLAG} > 1 is not supported yet: set kv_offloading_size 0")
+        # the host tier runs on any ranks (each its own heads' and layers' share); the disk tier not yet
         if parallel_config.world_size > 1 and self.kv_offloading_disk_path is not None:
             raise ValueError(
                 f"kv_offloading_disk_path with {parallel_config.describe_ranks()} is not supported yet: "

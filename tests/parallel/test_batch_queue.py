@@ -177,3 +177,18 @@ def test_check_pipeline_parallel(pp: int, message: str) -> None:
 
 def test_the_output_rank_is_the_last_stage_first_rank() -> None:
     assert [output_rank(1, 1), output_rank(1, 2), output_rank(1, 4), output_rank(2, 3)] == [0, 1, 3, 4]
+
+
+@pytest.mark.parametrize("max_batches", [2, 3, 4])
+def test_swapping_requests_whose_batch_is_in_flight_changes_no_token(max_batches: int) -> None:
+    """As above with a host tier (swap preemption): a request swapped out while its batch is in flight has its
+    next token pending there, and that token is dropped as stale; its position is computed again after the swap
+    (num_computed_tokens one back), or the request would resume without that token."""
+    expected = _one_step_at_a_time_tokens()
+    scheduler = make_scheduler(num_blocks=12, max_num_batched_tokens=32, max_model_len=64, num_host_blocks=64)
+    _add_requests(scheduler)
+    tokens, _ = _run_pipelined(scheduler, max_batches)
+    stats = scheduler.get_stats()
+    assert 0 < stats.num_swapped_preemptions_total == stats.num_preemptions_total, stats
+    assert scheduler.preemption.num_swaps_with_a_pending_token > 0
+    assert tokens == expected

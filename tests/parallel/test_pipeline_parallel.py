@@ -76,8 +76,14 @@ def test_pp2_on_the_real_model_matches_pp1(make_engine: Callable[..., LLM]) -> N
             r"'uni' runs one rank; tensor_parallel_size x pipeline_parallel_size \(2 x 2 = 4 ranks\) needs 'mp'",
         ),
         (
-            {"pipeline_parallel_size": 2, "tensor_parallel_size": 2, "kv_offloading_size": 1},
-            r"kv_offloading_size with pipeline_parallel_size \(--pipeline-parallel-size\) > 1 is not supported yet",
+            {
+                "pipeline_parallel_size": 2,
+                "tensor_parallel_size": 2,
+                "kv_offloading_size": 1,
+                "kv_offloading_disk_path": "/nonexistent/folio-kv",
+                "kv_offloading_disk_size": 1,
+            },
+            r"kv_offloading_disk_path with tensor_parallel_size x pipeline_parallel_size \(2 x 2 = 4 ranks\) is not",
         ),
         (
             {"pipeline_parallel_size": 2, "speculative_config": {"method": "ngram", "num_speculative_tokens": 2}},
