@@ -78,6 +78,7 @@ def test_tp2_with_uneven_heads_on_the_real_model_matches_tp1(
     reference, tp1_blocks = real_tp1
     outputs = {}
     for eager in (False, True):
+        capfd.readouterr()  # only this engine's ranks' lines below (not, say, the tp=1 fixture's)
         tp2 = make_engine(tensor_parallel_size=2, tensor_parallel_uneven_heads=True, enforce_eager=eager)
         try:
             if eager:
