@@ -33,6 +33,14 @@ def word_tokenizer(vocab_size: int) -> Any:
     return PreTrainedTokenizerFast(tokenizer_object=inner, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
 
 
+class NoTokenizer:
+    """For ``save_tiny_llama(tokenizer=NoTokenizer())``: a draft model's directory needs no tokenizer files (the
+    target's tokenizer is the one used)."""
+
+    def save_pretrained(self, directory: Any) -> None:
+        pass
+
+
 def save_tiny_llama(directory: str | Path, seed: int = 0, tokenizer: Any = None, **shape: int) -> str:
     """A random LlamaForCausalLM of TINY_SHAPE (updated by ``shape``) saved as safetensors into directory, with
     ``tokenizer`` (default: a word-level one of the model's vocabulary); returns the directory."""

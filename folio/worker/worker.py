@@ -122,8 +122,6 @@ class Worker:
         rank runs whole); for the no-op model, the share its shard plan would give."""
         if isinstance(model, LlamaForCausalLM):
             return int(model.model.layers[0].self_attn.num_kv_heads)
-        if self.group.world_size == 1:
-            return spec.num_key_value_heads
         uneven = self.config.parallel_config.tensor_parallel_uneven_heads
         return ShardPlan.make(spec, self.group.rank, self.group.world_size, uneven).num_kv_heads
 

@@ -21,7 +21,7 @@ from folio.model.loader import default_model_path
 from tests.engine.conftest import TEST_KV_BYTES, assert_no_leaks
 from tests.engine.prompts import PLAIN_PROMPTS
 from tests.engine.test_spec_decode import COPY_PROMPTS
-from tests.tiny_models import save_tiny_llama
+from tests.tiny_models import NoTokenizer, save_tiny_llama
 
 K = 4
 SMOLLM2_VOCAB = 49152
@@ -29,13 +29,6 @@ SMOLLM2_VOCAB = 49152
 MAX_MODEL_LEN = 2048
 PROMPTS = [*COPY_PROMPTS, *PLAIN_PROMPTS[:6]]  # PLAIN_PROMPTS[5]: a long story (~200 tokens)
 MAX_TOKENS = [48, 48, 48, 48, 1, 2, 5, 48, 48, 48]  # short ones: drafts cut by max_tokens
-
-
-class _NoTokenizer:
-    """The draft's directory needs no tokenizer files (the target's tokenizer is the one used)."""
-
-    def save_pretrained(self, directory: Any) -> None:
-        pass
 
 
 def _self_draft(k: int = K) -> dict[str, Any]:
@@ -113,7 +106,7 @@ def test_tiny_random_draft_gives_the_same_tokens_with_drafts_rejected(
     make_llm: Callable[..., LLM], baseline: list[list[int]], tmp_path: Path
 ) -> None:
     draft = save_tiny_llama(
-        tmp_path / "draft", tokenizer=_NoTokenizer(), vocab_size=SMOLLM2_VOCAB, max_position_embeddings=MAX_MODEL_LEN
+        tmp_path / "draft", tokenizer=NoTokenizer(), vocab_size=SMOLLM2_VOCAB, max_position_embeddings=MAX_MODEL_LEN
     )
     spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": 3}
     spec_llm = make_llm(speculative_config=spec, max_model_len=MAX_MODEL_LEN)

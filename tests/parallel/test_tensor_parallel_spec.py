@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -16,16 +15,11 @@ from folio import LLM, SamplingParams
 from folio.model.loader import default_model_path
 from tests.engine.test_spec_decode import COPY_PROMPTS
 from tests.parallel.conftest import shutdown
-from tests.tiny_models import save_tiny_llama
+from tests.tiny_models import NoTokenizer, save_tiny_llama
 
 TP2 = dict(tensor_parallel_size=2, tensor_parallel_uneven_heads=True)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 PROMPTS = COPY_PROMPTS[1:3]
-
-
-class _NoTokenizer:
-    def save_pretrained(self, directory: Any) -> None:  # the draft's directory needs no tokenizer
-        pass
 
 
 def _run(llm: LLM) -> tuple[list[list[int]], tuple[int, int, int]]:
@@ -55,7 +49,7 @@ def test_tp2_with_the_self_draft_gives_tp2s_tokens_and_accepts_nearly_every_draf
 def test_tp2_with_a_separate_draft_run_whole_on_every_rank_gives_tp2s_tokens(
     make_engine: Callable[..., LLM], tp2_tokens: list[list[int]], tmp_path: Path
 ) -> None:
-    draft = save_tiny_llama(tmp_path / "draft", tokenizer=_NoTokenizer(), vocab_size=49152, max_position_embeddings=256)
+    draft = save_tiny_llama(tmp_path / "draft", tokenizer=NoTokenizer(), vocab_size=49152, max_position_embeddings=256)
     spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": 3}
     tokens, (verifications, drafted, accepted) = _run(make_engine(**TP2, speculative_config=spec))
     assert tokens == tp2_tokens
