@@ -6,10 +6,15 @@ full blocks, never written again) or through ``fork`` (n > 1 siblings share the 
 a partial last block). Before a request writes into a shared block, ``allocate_slots`` gives it a private copy
 (copy-on-write): a fresh block, a copy plan (src, dst) for the worker and a replacement (index, new id).
 
-Blocks enter the prefix cache only after the forward that computed them (``cache_computed_blocks``, called from
-``Scheduler.update_from_output``): a block whose K/V were not written yet must never be found by a hit, not by a
-request in the same step (the order of writes and reads within a step is the backend's business) and not after
-its owner is preempted before its step ran.
+Blocks enter the prefix cache when the step that computes them is planned (``cache_scheduled_blocks``, as vLLM's
+``allocate_slots`` caches them): a request admitted later in the same ``schedule()`` hits them instead of computing
+them again (a burst of prompts sharing a system prompt computes it once, not once per request). That is sound
+because the scheduler calls it only once no request of the step can be taken out of it again (after its running
+loop, whose preemptions unschedule requests), every attention backend writes the whole step's K/V before any
+attention reads the cache (``AttentionBackend.forward``), and steps run in order, so a hit in a later step reads
+them after they were written too. A request whose blocks wait for loads that may fail (disk, received blocks)
+caches its blocks only after the step that loaded them answered (``cache_computed_blocks``, called from
+``Scheduler.update_from_output``): a failed load leaves its blocks unwritten.
 
 With a host tier (``num_host_blocks`` > 0, core/offload.py) a cached device block about to be reused is stored
 there first, ``get_computed_blocks`` continues the chain there (the hits are loaded into fresh device blocks), and
@@ -81,6 +86,8 @@ class KVCacheManager:
         self.prefix_cache_hits = 0  # of which found in the cache
         self.num_cow_copies = 0  # blocks copied before a write because another request shared them
         self._num_kept_blocks: dict[str, int] = {}  # request id -> table length after free_blocks_past, until sent
+        # Requests with disk or remote loads planned whose step has not answered yet: not cached at schedule time.
+        self._loads_in_doubt: set[str] = set()
         if num_host_blocks < 0:
             raise ValueError(f"num_host_blocks must be >= 0, got {num_host_blocks}")
         self.host_tier = HostKVTier(num_host_blocks) if num_host_blocks > 0 else None
@@ -206,6 +213,8 @@ class KVCacheManager:
         appended = [*new_computed_blocks, *fresh_blocks]
         req_blocks.extend(appended)
         self.lower_tiers.plan_loads(req_id, loaded, [block.block_id for block in fresh_blocks])
+        if any(not isinstance(hit, KVCacheBlock) for hit in loaded):
+            self._loads_in_doubt.add(req_id)
         result.new_block_ids = [block.block_id for block in appended]
         self.req_to_blocks[req_id] = req_blocks
         # Prefix hits are cached already: the cache bookkeeping starts after them.
@@ -221,20 +230,34 @@ class KVCacheManager:
         last_index = min((start + num_tokens - 1) // self.block_size, len(req_blocks) - 1)
         return [i for i in range(first_index, last_index + 1) if req_blocks[i].ref_count > 1]
 
+    def cache_scheduled_blocks(self, request: Request, num_scheduled_tokens: int) -> None:
+        """Offer the full blocks that this step's ``num_scheduled_tokens`` of ``request`` complete to the prefix
+        cache now, at schedule time (see the module docstring for why that is sound and when the scheduler may call
+        it). Drafts past the request's known tokens are never cached; nor are the blocks of a request whose loads
+        may still fail."""
+        if request.request_id in self._loads_in_doubt:
+            return
+        num_tokens = min(request.num_computed_tokens + num_scheduled_tokens, request.num_tokens)
+        self._cache_blocks(request, num_tokens)
+
     def cache_computed_blocks(self, request: Request) -> None:
         """Offer the request's full, computed blocks (K/V written by a finished forward) to the prefix cache.
 
-        Call after the step that advanced ``request.num_computed_tokens`` ran, with block hashes up to date.
+        Call after the step that advanced ``request.num_computed_tokens`` ran, with block hashes up to date: its
+        loads, if any, are no longer in doubt.
         """
+        self._loads_in_doubt.discard(request.request_id)
+        self._cache_blocks(request, request.num_computed_tokens)
+
+    def _cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Cache the request's full blocks among its first ``num_tokens`` positions (those not offered before)."""
         if not self.enable_prefix_caching:
             return
         req_id = request.request_id
         req_blocks = self.req_to_blocks.get(req_id)
         if req_blocks is None:
             return
-        num_full_blocks = min(
-            request.num_computed_tokens // self.block_size, len(request.block_hashes), len(req_blocks)
-        )
+        num_full_blocks = min(num_tokens // self.block_size, len(request.block_hashes), len(req_blocks))
         num_cached_blocks = self._num_cached_blocks.get(req_id, 0)
         if num_full_blocks <= num_cached_blocks:
             return
@@ -266,6 +289,7 @@ class KVCacheManager:
 
     def _free_device_blocks(self, request: Request) -> None:
         self._num_cached_blocks.pop(request.request_id, None)
+        self._loads_in_doubt.discard(request.request_id)
         self._num_kept_blocks.pop(request.request_id, None)
         req_blocks = self.req_to_blocks.pop(request.request_id, None)
         if req_blocks:

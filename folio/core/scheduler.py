@@ -138,6 +138,10 @@ class Scheduler:
         """
         plan = StepPlan(token_budget=self.scheduler_config.max_num_batched_tokens, max_num_reqs=max_num_reqs)
         self._schedule_running(plan)
+        # No request is taken out of the step from here on: the blocks it completes become prefix hits now, for
+        # the waiting requests admitted below (each of which caches its own in turn).
+        for req_id, request in plan.scheduled.items():
+            self.kv_cache_manager.cache_scheduled_blocks(request, plan.num_scheduled_tokens[req_id])
         if not plan.preempted_req_ids:
             self._schedule_waiting(plan)
         output = self._build_output(plan)
@@ -201,7 +205,8 @@ class Scheduler:
 
     def _schedule_waiting(self, plan: StepPlan) -> None:
         """Admit waiting requests in policy order; the first that cannot get blocks stops admission (no skipping,
-        so a large request is not starved by smaller ones behind it)."""
+        so a large request is not starved by smaller ones behind it). It preempts nothing, so each admitted
+        request's blocks are cached at once: the next one may hit them."""
         while (
             len(self.waiting) > 0
             and plan.token_budget > 0
@@ -224,6 +229,7 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             plan.add(request, num_new_tokens, allocation)
+            self.kv_cache_manager.cache_scheduled_blocks(request, num_new_tokens)
 
     def _build_output(self, plan: StepPlan) -> SchedulerOutput:
         """Full data for requests new to the worker, diffs for the others; then advance num_computed_tokens."""

@@ -19,6 +19,7 @@ from folio.core.kv_cache_manager import KVCacheManager, cdiv
 from folio.core.sched_output import SchedulerOutput
 from folio.core.scheduler import Scheduler
 from folio.request import RequestStatus
+from tests.helpers import FakeWorker
 
 
 def check_block_pool(pool: BlockPool) -> None:
@@ -173,3 +174,31 @@ def check_scheduler_output(scheduler: Scheduler, output: SchedulerOutput) -> Non
         assert new.block_ids == scheduler.kv_cache_manager.get_block_ids(new.req_id)
     for req_id in counts:
         assert scheduler.requests[req_id].num_computed_tokens <= config.max_model_len
+
+
+def record_block_tokens(scheduler: Scheduler, tokens_of: dict[int, list[int]]) -> None:
+    """Before a schedule(): the tokens of every full block each live request has a hash for (hash -> tokens)."""
+    block_size = scheduler.kv_cache_manager.block_size
+    for request in scheduler.requests.values():
+        tokens = request.all_token_ids
+        for index, block_hash in enumerate(request.block_hashes):
+            tokens_of[block_hash] = list(tokens[index * block_size : (index + 1) * block_size])
+
+
+def check_cached_blocks_hold_their_tokens(
+    scheduler: Scheduler, worker: FakeWorker, tokens_of: dict[int, list[int]]
+) -> None:
+    """After a step ran: every block the prefix caches (device and host) can hand out holds, in the FakeWorker's
+    cache, the tokens its hash names. Blocks are cached when their step is planned, so a block cached for tokens no
+    step wrote (its owner taken out of the step, or a load that failed) fails here even before anyone hits it."""
+    manager = scheduler.kv_cache_manager
+    pools = [(manager.block_pool, worker.kv, "device")]
+    if manager.host_tier is not None:
+        pools.append((manager.host_tier.pool, worker.host_kv, "host"))
+    for pool, kv, name in pools:
+        for block_hash, block in pool.cached_block_hash_to_block.items():
+            expected = tokens_of.get(block_hash)
+            assert expected is not None, f"{name} block {block.block_id} cached under a hash no request had"
+            assert kv[block.block_id] == expected, (
+                f"{name} block {block.block_id} cached for {expected} but holds {kv[block.block_id]}"
+            )

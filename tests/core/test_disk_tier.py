@@ -151,10 +151,10 @@ def test_chain_continues_device_then_host_then_disk_then_recomputes() -> None:
     manager.assert_no_leaks()
 
 
-def _restarted(worker: FakeWorker, num_disk_blocks: int = 8) -> tuple[Scheduler, FakeWorker]:
+def _restarted(worker: FakeWorker, num_disk_blocks: int = 8, num_blocks: int = 4) -> tuple[Scheduler, FakeWorker]:
     """A new core and worker on the same disk: the core's index comes from the listing (oldest first)."""
     scheduler = make_scheduler(
-        num_blocks=4,
+        num_blocks=num_blocks,
         block_size=BLOCK,
         max_model_len=16,
         num_host_blocks=2,
@@ -171,6 +171,15 @@ def _flush(scheduler: Scheduler, worker: FakeWorker) -> SchedulerOutput:
     output.kv_disk = scheduler.kv_cache_manager.take_disk_plans()
     worker.execute(output)
     return output
+
+
+def _flushed_a_b() -> FakeWorker:
+    """A worker whose disk holds A's and B's blocks, flushed by a core that ran them."""
+    scheduler = make_scheduler(num_blocks=4, block_size=BLOCK, max_model_len=16, num_host_blocks=2, num_disk_blocks=8)
+    worker = make_worker(scheduler)
+    _run_a_b(scheduler, worker)
+    _flush(scheduler, worker)
+    return worker
 
 
 def test_a_restarted_core_finds_the_flushed_blocks_warm() -> None:
@@ -247,3 +256,37 @@ def test_abort_with_disk_loads_planned_or_after_a_failure_frees_every_tier() -> 
     last = restarted.schedule()
     new_worker.execute(last)
     assert not new_worker.requests and last.kv_disk.deletes == [A0]
+
+
+def test_blocks_loaded_from_disk_are_hits_only_once_their_step_answered() -> None:
+    """A disk load may fail (a lost file), leaving its device block unwritten: the blocks of a request with disk loads
+    are cached only after its step answered, so a request admitted beside it loads its own copies. A file lost after
+    the listing fails only the requests that loaded it; the one after them hits the device."""
+    scheduler, worker = _restarted(_flushed_a_b(), num_blocks=12)
+    for request_id in ("A2", "A3"):
+        scheduler.add_request(make_request(request_id, PROMPT_A, max_tokens=2))
+    so, _ = step(scheduler, worker)
+    assert [(new.num_computed_tokens, new.block_ids) for new in so.scheduled_new_reqs] == [
+        (8, [0, 1, 2]),
+        (8, [3, 4, 5]),
+    ]
+    assert so.kv_disk.loads == [(A0, 0), (A1, 1), (A0, 3), (A1, 4)]
+    scheduler.add_request(make_request("A4", PROMPT_A, max_tokens=2))
+    so, _ = step(scheduler, worker)
+    (new,) = so.scheduled_new_reqs
+    assert (new.num_computed_tokens, new.block_ids[:2], so.kv_disk.loads) == (8, [0, 1], [])
+    run_to_completion(scheduler, worker)
+    scheduler.kv_cache_manager.assert_no_leaks()
+
+    lost, lost_worker = _restarted(_flushed_a_b(), num_blocks=12)
+    del lost_worker.disk[A1]
+    for request_id in ("A2", "A3"):
+        lost.add_request(make_request(request_id, PROMPT_A, max_tokens=2))
+    so, outputs = step(lost, lost_worker)  # both loaded A1 themselves: both fail, neither reads the other's block
+    assert outputs == [] and {request.request_id for request in lost.waiting} == {"A2", "A3"}
+    result = run_to_completion(lost, lost_worker)
+    plain = make_scheduler(num_blocks=12, block_size=BLOCK, max_model_len=16)
+    for request_id in ("A2", "A3"):
+        plain.add_request(make_request(request_id, PROMPT_A, max_tokens=2))
+    assert result.outputs == run_to_completion(plain, make_worker(plain)).outputs
+    lost.kv_cache_manager.assert_no_leaks()

@@ -24,7 +24,13 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from folio.core.kv_cache_manager import cdiv
 from folio.core.scheduler import Scheduler
 from folio.request import FinishReason, RequestStatus
-from tests.core.kv_invariants import check_block_pool, check_scheduler, check_scheduler_output
+from tests.core.kv_invariants import (
+    check_block_pool,
+    check_cached_blocks_hold_their_tokens,
+    check_scheduler,
+    check_scheduler_output,
+    record_block_tokens,
+)
 from tests.helpers import EOS, FakeWorker, make_request, make_scheduler, make_worker
 
 STOP_TOKEN = 3  # every request's stop_token_ids; scripts use 10.. otherwise
@@ -101,6 +107,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.end_by_abort = False
         self.num_steps = 0
         self.max_ref_count = 0
+        self.tokens_of: dict[int, list[int]] = {}  # block hash -> the tokens of that block (kv_invariants)
 
     @property
     def sched(self) -> Scheduler:
@@ -291,6 +298,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         scheduler, worker = self.sched, self.worker
         assert worker is not None
         had_requests = scheduler.has_unfinished_requests()
+        record_block_tokens(scheduler, self.tokens_of)
         output = scheduler.schedule()
         self.num_steps += 1
         blocks = scheduler.kv_cache_manager.block_pool.blocks
@@ -307,6 +315,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             if core_output.finished:
                 expected.finish_reason = core_output.finish_reason
                 assert core_output.request_id not in scheduler.requests
+        check_cached_blocks_hold_their_tokens(scheduler, worker, self.tokens_of)
         for request in scheduler.running:  # the worker's copy, kept from diffs only, matches the core's
             state = worker.requests.get(request.request_id)
             if state is not None:

@@ -212,6 +212,59 @@ def test_prefix_hit_across_requests_and_revived_free_blocks() -> None:
     scheduler.kv_cache_manager.assert_no_leaks()
 
 
+def test_requests_admitted_in_one_step_hit_the_prefix_the_first_one_computes() -> None:
+    """A burst sharing a prompt head computes it once: the blocks the first request's step completes are cached when
+    it is admitted, so the next ones in the same step hit them (the FakeWorker writes the whole step's K/V before
+    anyone attends, as every backend does, and reads each context back)."""
+    scheduler = make_scheduler(num_blocks=16)
+    worker = make_worker(scheduler)
+    head = tokens(0, 8)
+    for request_id, start in (("a", 100), ("b", 200), ("c", 300)):
+        scheduler.add_request(make_request(request_id, head + tokens(start, 3), max_tokens=4))
+    so, _ = step(scheduler, worker)
+    assert so.num_scheduled_tokens == {"a": 11, "b": 3, "c": 3}
+    assert [(new.req_id, new.num_computed_tokens, new.block_ids) for new in so.scheduled_new_reqs] == [
+        ("a", 0, [0, 1, 2]),
+        ("b", 8, [0, 1, 3]),
+        ("c", 8, [0, 1, 4]),
+    ]
+    stats = scheduler.get_stats()
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (33, 16)
+    outputs = run_to_completion(scheduler, worker).outputs
+
+    separate = make_scheduler(num_blocks=16, enable_prefix_caching=False)
+    for request_id, start in (("a", 100), ("b", 200), ("c", 300)):
+        separate.add_request(make_request(request_id, head + tokens(start, 3), max_tokens=4))
+    expected = run_to_completion(separate, make_worker(separate)).outputs
+    assert {rid: out[1:] for rid, out in expected.items()} == outputs  # first tokens came in step 1
+
+
+def test_blocks_of_a_request_taken_back_from_its_step_are_not_cached() -> None:
+    """x (priority 5) is scheduled first for a chunk completing its blocks 4 and 5; y (priority 0) then needs a
+    block, none is free, and x is taken back out of the step. Nothing writes x's positions 16-23, so neither block
+    may be cached: y takes block 5's slot (x's last, freed first), but block 4 would stay findable."""
+    scheduler = make_scheduler(num_blocks=7, policy="priority", long_prefill_token_threshold=8)
+    worker = make_worker(scheduler)
+    x = make_request("x", tokens(0, 24), max_tokens=4, priority=5, arrival_time=1.0)
+    y = make_request("y", tokens(100, 4), max_tokens=4, priority=0, arrival_time=2.0)
+    scheduler.add_request(x)
+    step(scheduler, worker)  # x: positions 0-7
+    scheduler.add_request(y)
+    step(scheduler, worker)  # x: 8-15; y: its prompt, then a first token at position 4 (a new block next step)
+    pool = scheduler.kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == 2
+    so = scheduler.schedule()
+    assert so.preempted_req_ids == {"x"} and so.num_scheduled_tokens == {"y": 1}
+    cached_hashes = set(pool.cached_block_hash_to_block)
+    assert set(x.block_hashes[:4]) <= cached_hashes  # computed in steps 1 and 2
+    assert not set(x.block_hashes[4:]) & cached_hashes
+    scheduler.update_from_output(so, worker.execute(so))
+    result = run_to_completion(scheduler, worker)
+    assert len(x.output_token_ids) == len(y.output_token_ids) == 4
+    assert set(result.finish_reasons) == {"x", "y"}
+    scheduler.kv_cache_manager.assert_no_leaks()
+
+
 def test_shared_prefix_while_both_running_has_ref_count_two() -> None:
     scheduler = make_scheduler()
     worker = make_worker(scheduler)

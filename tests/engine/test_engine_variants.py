@@ -75,6 +75,13 @@ def test_prefix_caching_on_and_off(make_llm: Callable[..., LLM], tokenizer: Any)
     assert on.reset_prefix_cache()
     assert on.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)[0].num_cached_tokens == 0
     assert on.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)[0].num_cached_tokens > 0
+    # A burst in one step computes the shared head once: the others hit the blocks the first one's step writes.
+    assert on.reset_prefix_cache()
+    burst = on.generate([{"prompt_token_ids": p} for p in prompts], PARAMS, use_tqdm=False)
+    assert_no_leaks(on)
+    num_shared = len(shared) // 16 * 16
+    assert num_shared > 0 and [out.num_cached_tokens for out in burst] == [0] + [num_shared] * 3
+    assert_all_close(runs_off, [from_folio_output(out) for out in burst])
 
 
 def test_batch_of_one_versus_sixteen(llm: LLM, prompts: list[list[int]], baseline: list[GreedyRun]) -> None:

@@ -86,12 +86,15 @@ def test_swap_and_host_prefix_hits_keep_greedy_outputs(plain: _Run, tiered: _Run
     assert stats.num_swapped_preemptions_total == stats.num_preemptions_total, "no fallback to recompute"
     assert stats.kv_offload_blocks_to_cpu_total > 0 and stats.kv_offload_blocks_to_device_total > 0, stats
     assert stats.external_prefix_cache_hits > 0, stats
-    # FCFS preempts running[-1], so a round's first request is never a victim: every other request of round 1 is
-    # swapped, and the reversed round 2 swaps round 1's head: every prompt is swapped at least once.
-    round1 = [out.request_id for out in tiered.rounds[0]]
-    assert set(round1[1:]) <= tiered.swapped, (round1, tiered.swapped)
-    round2 = dict(zip(reversed(range(4)), (out.request_id for out in tiered.rounds[1]), strict=True))
-    assert round2[0] in tiered.swapped, (round2, tiered.swapped)
+    # FCFS preempts running[-1], so the last prompts of round 1 are swapped, and those of the reversed round 2 are
+    # round 1's first: every prompt is swapped at least once.
+    orders = (range(4), reversed(range(4)))
+    prompt_of = {
+        out.request_id: i
+        for order, outputs in zip(orders, tiered.rounds, strict=True)
+        for i, out in zip(order, outputs, strict=True)
+    }
+    assert {prompt_of[req_id] for req_id in tiered.swapped} == set(range(4)), (prompt_of, tiered.swapped)
     assert plain.tokens == tiered.tokens
     for i in range(4):  # each round gives the same greedy output for the same prompt
         assert tiered.tokens[i][0] == tiered.tokens[i][1]
