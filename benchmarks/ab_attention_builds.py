@@ -7,9 +7,10 @@
     .venv/bin/python benchmarks/ab_attention_builds.py --dtype float32 --prompt-len 500 1000 --num-prompts 4 ...
     .venv/bin/python benchmarks/ab_attention_builds.py --decode /tmp/old.so /tmp/new.so
 
-Prefill (default): fresh prompts through one layer. --decode: a decode step of 64 rows at contexts 110-290
-through 30 layers, the K/V (about 260 MB in bf16) in three places: DRAM (30 layer caches, as a real step
-streams them), L3 (one layer's cache read 30 times) and L2 (every row reading the same blocks): the kernel's
+Prefill (default): fresh prompts through one layer. --decode: a decode step of 64 rows at contexts 110-290 (or
+--decode-rows at --decode-ctx, the first --decode-shared-blocks blocks the same for every row) through 30
+layers, the K/V (about 260 MB in bf16 for the default step) in three places: DRAM (30 layer caches, as a real
+step streams them), L3 (one layer's cache read 30 times) and L2 (every row reading the same blocks): the kernel's
 compute shows in the last, its memory behaviour in the first.
 
 Why a script of its own: a kernel's effect on a whole W1 run is a few percent, under this VM's noise; calling
@@ -48,15 +49,27 @@ def head_major_cache(num_blocks: int, dtype: torch.dtype) -> torch.Tensor:
     return cache.transpose(2, 3)
 
 
-def run_decode(backends: list[cpu_paged.CpuPagedBackend], paths: list[str], dtype: torch.dtype, repeats: int) -> None:
+def run_decode(
+    backends: list[cpu_paged.CpuPagedBackend],
+    paths: list[str],
+    dtype: torch.dtype,
+    repeats: int,
+    num_rows: int = 64,
+    ctx: tuple[int, int] = (110, 290),
+    shared_blocks: int = 0,
+) -> None:
+    """``shared_blocks``: the first blocks of every row's table are the same ones (a shared system prompt)."""
     rng = random.Random(0)
-    seq_lens = [rng.randint(110, 290) for _ in range(64)]
-    tables = contiguous_tables(seq_lens)
-    num_blocks = sum(len(t) for t in tables)
+    seq_lens = [rng.randint(*ctx) for _ in range(num_rows)]
+    if min(seq_lens) <= shared_blocks * BLOCK_SIZE:
+        raise SystemExit("--decode-shared-blocks must leave every row a block of its own")
+    own = contiguous_tables([s - shared_blocks * BLOCK_SIZE for s in seq_lens])
+    tables = [list(range(shared_blocks)) + [shared_blocks + b for b in table] for table in own]
+    num_blocks = shared_blocks + sum(len(t) for t in own)
     longest = [list(range(-(-max(seq_lens) // BLOCK_SIZE)))]
-    attn = build_attn_metadata([1] * 64, seq_lens, tables, BLOCK_SIZE)
-    attn_shared = build_attn_metadata([1] * 64, seq_lens, longest * 64, BLOCK_SIZE)
-    q, k, v = fused_qkv(64, dtype)
+    attn = build_attn_metadata([1] * num_rows, seq_lens, tables, BLOCK_SIZE)
+    attn_shared = build_attn_metadata([1] * num_rows, seq_lens, longest * num_rows, BLOCK_SIZE)
+    q, k, v = fused_qkv(num_rows, dtype)
     caches = [head_major_cache(num_blocks + 1, dtype) for _ in range(NUM_LAYERS)]
     places = {
         "DRAM": (caches, attn),
@@ -74,7 +87,10 @@ def run_decode(backends: list[cpu_paged.CpuPagedBackend], paths: list[str], dtyp
                 for cache in layer_caches:
                     backend.forward(q, k, v, cache, step_attn, HEAD_DIM**-0.5)
                 best[(i, place)] = min(best[(i, place)], time.perf_counter() - start)
-    print(f"decode attention, 64 rows x {NUM_LAYERS} layers, {dtype}, ms per step, best of {repeats}:")
+    print(
+        f"decode attention, {num_rows} rows (contexts {ctx[0]}-{ctx[1]}, {shared_blocks} blocks shared) x "
+        f"{NUM_LAYERS} layers, {dtype}, ms per step, best of {repeats}:"
+    )
     for i, path in enumerate(paths):
         cells = "  ".join(f"K/V in {place}: {best[(i, place)] * 1e3:.2f}" for place in places)
         print(f"  {path}: {cells}")
@@ -87,12 +103,18 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, nargs=2, default=[20, 200], metavar=("MIN", "MAX"))
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=15)
-    parser.add_argument("--decode", action="store_true", help="a 64-row decode step instead of prefills")
+    parser.add_argument("--decode", action="store_true", help="a decode step instead of prefills")
+    parser.add_argument("--decode-rows", type=int, default=64, help="--decode: the step's rows (default 64)")
+    parser.add_argument("--decode-ctx", type=int, nargs=2, default=[110, 290], metavar=("MIN", "MAX"))
+    parser.add_argument(
+        "--decode-shared-blocks", type=int, default=0, help="--decode: leading blocks every row shares (default 0)"
+    )
     ns = parser.parse_args()
     dtype = getattr(torch, ns.dtype)
     backends = [backend_for(path) for path in ns.libraries]
     if ns.decode:
-        run_decode(backends, ns.libraries, dtype, ns.repeats)
+        ctx = (ns.decode_ctx[0], ns.decode_ctx[1])
+        run_decode(backends, ns.libraries, dtype, ns.repeats, ns.decode_rows, ctx, ns.decode_shared_blocks)
         return
     rng = random.Random(0)
     seq_lens = [rng.randint(*ns.prompt_len) for _ in range(ns.num_prompts)]

@@ -349,7 +349,8 @@ class Scheduler:
         first failed one are cached, the rest recomputed as after a recompute preemption; the disk tier forgets its
         hashes."""
         self.kv_cache_manager.forget_disk_blocks(model_runner_output.failed_disk_hashes)
-        for req_id, num_valid_tokens in model_runner_output.kv_load_failures.items():
+        # Last first: each goes back to the front of the queue, so they wait again in the order they were admitted.
+        for req_id, num_valid_tokens in reversed(model_runner_output.kv_load_failures.items()):
             request = self.requests.get(req_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue
