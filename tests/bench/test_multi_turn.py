@@ -73,13 +73,14 @@ def test_compute_counter_counts_tokens_computed_again() -> None:
 
 
 def test_compare_offloading_runs_end_to_end(tmp_path: Path) -> None:
-    """4 conversations x 3 turns on a 16-block pool: preemption is forced; both runs' outputs are identical, the
-    prompt tokens are the exact history sums, and the run without a host tier recomputes tokens."""
+    """4 conversations x 3 turns on a 12-block pool (a wave's first turns share the system prompt's 4 blocks, computed
+    once, and need 2 more each, 3 more once they decode): preemption is forced; both runs' outputs are identical,
+    the prompt tokens are the exact history sums, and the run without a host tier recomputes tokens."""
     out = tmp_path / "mt.json"
     args = ["bench", "throughput", "--dataset-name", "multi_turn", "--multi-turn-num-conversations", "4"]
     args += ["--multi-turn-num-turns", "3", "--multi-turn-system-len", "64", "--multi-turn-user-len", "32"]
-    args += ["--multi-turn-output-len", "8", "--dtype", "float32", "--max-model-len", "256"]
-    args += ["--num-gpu-blocks-override", "16", "--kv-offloading-size", "0.01", "--compare-offloading"]
+    args += ["--multi-turn-output-len", "8", "--dtype", "float32", "--max-model-len", "192"]
+    args += ["--num-gpu-blocks-override", "12", "--kv-offloading-size", "0.01", "--compare-offloading"]
     proc = subprocess.run(
         [folio_script(), *args, "--output-json", str(out)], capture_output=True, text=True, timeout=300
     )
