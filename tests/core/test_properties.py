@@ -7,9 +7,10 @@ add requests (shared prefixes, n > 1 families, EOS / stop tokens, min_tokens, pr
 stop-string finishes from outside, prefix-cache resets and disk files lost behind the engine's back. Few blocks make
 the scheduler preempt by itself (there is no public preemption API).
 After every rule, ``kv_invariants.check_scheduler`` checks the whole state (ref counts = holders, free + used =
-total, free queue sound, ...). At the end everything is aborted or run to completion (liveness: within a bound),
-then every block must be free, the worker must hold nothing, and every request that finished by itself must have
-produced exactly its scripted tokens up to its stop (no token lost or repeated across preemption).
+total, free queue sound, ...), and after every step that each block either prefix cache can hand out holds, in the
+FakeWorker's cache, the tokens its hash names. At the end everything is aborted or run to completion (liveness:
+within a bound), then every block must be free, the worker must hold nothing, and every request that finished by
+itself must have produced exactly its scripted tokens up to its stop (no token lost or repeated across preemption).
 """
 
 from __future__ import annotations
