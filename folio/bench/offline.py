@@ -165,13 +165,14 @@ def _print_collectives(before: tuple[float, int], after: tuple[float, int], elap
 
 def _flop_ceiling(llm: Any, requests: list[SampleRequest], output_tps: float) -> dict[str, float] | None:
     """Prints this run against the FLOP ceiling: the request set's matmul FLOPs at the best GEMM rate measured
-    now, in the engine's dtype (folio.bench.roofline). CPU only: it times a 2048^3 GEMM on the engine's cores."""
+    now, in the engine's dtype (folio.bench.roofline): a 2048^3 GEMM timed on the engine's cores or its GPU."""
     from folio.bench.roofline import measure_matmul_flops, workload_ceiling
 
     worker = getattr(llm.llm_engine.executor, "worker", None)  # None: the workers run in their own processes
-    if worker is None or worker.device.type != "cpu":
+    if worker is None:
         return None
-    matmul = measure_matmul_flops(dtype=worker.dtype, tier=llm.llm_engine.config.cpu_config.tier())
+    tier = llm.llm_engine.config.cpu_config.tier() if worker.device.type == "cpu" else None
+    matmul = measure_matmul_flops(dtype=worker.dtype, tier=tier, device=worker.device)
     lengths = [(len(r.prompt_token_ids), r.output_len) for r in requests]
     ceiling = workload_ceiling(llm.llm_engine.model_spec, lengths, matmul)
     fraction = output_tps / ceiling.output_tokens_per_second

@@ -35,30 +35,44 @@ class ModelFlops:
 
 
 def measure_matmul_flops(
-    size: int = 2048, repeats: int = 8, dtype: torch.dtype = torch.float32, tier: IsaTier | None = None
+    size: int = 2048,
+    repeats: int = 8,
+    dtype: torch.dtype = torch.float32,
+    tier: IsaTier | None = None,
+    device: torch.device | str = "cpu",
 ) -> float:
     """Best FLOP/s of a size x size x size GEMM with torch's current thread count, over every CPU GEMM at hand
     (MKL's ``torch.mm``, oneDNN with a packed weight, and the engine's own packed GEMM of ``tier``, default this
-    CPU's best) so the ceiling is the machine's, not one library's. On other devices ``torch.mm`` alone.
-    Under ``--cpu-isa`` the CLI holds MKL and oneDNN to the same tier (folio.kernels.isa.library_isa_env)."""
-    a = torch.randn(size, size, dtype=dtype)
-    b = torch.randn(size, size, dtype=dtype)
+    CPU's best) so the ceiling is the machine's, not one library's. On other devices ``torch.mm`` alone (cuBLAS),
+    timed to the device's completion. Under ``--cpu-isa`` the CLI holds MKL and oneDNN to the same tier
+    (folio.kernels.isa.library_isa_env)."""
+    device = torch.device(device)
+    a = torch.randn(size, size, dtype=dtype, device=device)
+    b = torch.randn(size, size, dtype=dtype, device=device)
     candidates = [lambda: torch.mm(a, b)]
-    folio_gemm = load_cpu_kernels(tier, dtype).gemm if dtype in CPU_KERNEL_DTYPES else None
-    if folio_gemm is not None:
-        packed = folio_gemm.pack_all([b])[0]
-        candidates.append(lambda: folio_gemm.linear(a, packed, None))
-    if a.device.type == "cpu" and torch.backends.mkldnn.is_available():
-        onednn = torch.ops.mkldnn._reorder_linear_weight(b, size)
-        candidates.append(lambda: torch.ops.mkldnn._linear_pointwise(a, onednn, None, "none", [], ""))
+    if device.type == "cpu":
+        folio_gemm = load_cpu_kernels(tier, dtype).gemm if dtype in CPU_KERNEL_DTYPES else None
+        if folio_gemm is not None:
+            packed = folio_gemm.pack_all([b])[0]
+            candidates.append(lambda: folio_gemm.linear(a, packed, None))
+        if torch.backends.mkldnn.is_available():
+            onednn = torch.ops.mkldnn._reorder_linear_weight(b, size)
+            candidates.append(lambda: torch.ops.mkldnn._linear_pointwise(a, onednn, None, "none", [], ""))
     best = float("inf")
     for gemm in candidates:
         gemm()  # warm-up
         for _ in range(repeats):
+            _synchronize(device)
             start = time.perf_counter()
             gemm()
+            _synchronize(device)
             best = min(best, time.perf_counter() - start)
     return 2 * size**3 / best
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 @dataclass

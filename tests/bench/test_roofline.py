@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import pytest
+import torch
+
 from folio.bench.roofline import ModelFlops, measure_matmul_flops, workload_ceiling
 from folio.model.loader import default_model_path, read_model_spec
 
@@ -24,3 +27,10 @@ def test_ceiling_scales_with_the_measured_rate() -> None:
     flops = ModelFlops.from_spec(spec)
     assert ceiling.workload_flops == flops.request_flops(10, 5) + flops.request_flops(20, 5)
     assert ceiling.output_tokens_per_second == 10 / (ceiling.workload_flops / 1e11)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_gpus_rate_is_timed_to_the_gemms_completion() -> None:
+    # timed at the launch instead, a 4096^3 GEMM (137 GFLOP) would come out at some 1e16 FLOP/s
+    rate = measure_matmul_flops(size=4096, repeats=3, dtype=torch.bfloat16, device="cuda")
+    assert 1e12 < rate < 2e15, rate  # an H100's dense bfloat16 peak is about 1e15

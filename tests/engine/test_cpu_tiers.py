@@ -25,7 +25,7 @@ def test_each_tier_matches_transformers(
     folio_logger = logging.getLogger("folio")  # it does not propagate to the root logger caplog listens on
     folio_logger.addHandler(caplog.handler)
     try:
-        llm = LLM(dtype="float32", cpu_isa=cpu_tier.flag_name, kv_cache_memory_bytes=TEST_KV_BYTES)
+        llm = LLM(device="cpu", dtype="float32", cpu_isa=cpu_tier.flag_name, kv_cache_memory_bytes=TEST_KV_BYTES)
     finally:
         folio_logger.removeHandler(caplog.handler)
     # the start-up line names the tier and the implementation chosen for each operation
@@ -40,7 +40,7 @@ def test_each_tier_matches_transformers(
 
 def test_bfloat16_below_avx512_is_refused_with_the_way_out() -> None:
     with pytest.raises(ValueError, match="dtype bfloat16 on the CPU needs the avx512 ISA tier.*use dtype float32"):
-        LLM(dtype="bfloat16", cpu_isa="generic", kv_cache_memory_bytes=TEST_KV_BYTES)
+        LLM(device="cpu", dtype="bfloat16", cpu_isa="generic", kv_cache_memory_bytes=TEST_KV_BYTES)
 
 
 def test_bf16_screened_lm_head_gives_the_float32_tokens(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -69,5 +69,5 @@ def test_profile_run_on_any_device(make_llm: Callable[..., LLM]) -> None:
     for row in torch.log_softmax(logits, dim=-1):
         values, token_ids = row.topk(5)
         assert token_ids.tolist() == [token_id for token_id, _ in top5]
-        torch.testing.assert_close(values, torch.tensor([lp.logprob for _, lp in top5]), rtol=0, atol=1e-3)
+        torch.testing.assert_close(values.cpu(), torch.tensor([lp.logprob for _, lp in top5]), rtol=0, atol=1e-3)
     assert_no_leaks(llm)

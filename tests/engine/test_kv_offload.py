@@ -192,4 +192,4 @@ def test_engine_resolves_logs_and_executes_with_a_host_tier(caplog: pytest.LogCa
     runner.execute_model(step)
     for layer, cache in enumerate(runner.kv_caches):
         assert torch.equal(cache[:, 5], cache[:, 0])
-        assert torch.equal(_host_view(worker.host_kv_cache, layer)[:, num_host - 1], cache[:, 0])
+        assert torch.equal(_host_view(worker.host_kv_cache, layer)[:, num_host - 1], cache[:, 0].cpu())

@@ -58,7 +58,7 @@ def test_each_tensor_loads_on_the_governors_thread_count(
     original_threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        LLM(model=model_dir, dtype="float32", kv_cache_memory_bytes=2**24, max_model_len=256)
+        LLM(model=model_dir, device="cpu", dtype="float32", kv_cache_memory_bytes=2**24, max_model_len=256)
     finally:
         torch.set_num_threads(original_threads)
     num_tensors = 3 + 9 * TINY_SHAPE["num_hidden_layers"]  # embedding, final norm, LM head; 9 per layer

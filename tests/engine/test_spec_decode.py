@@ -98,11 +98,17 @@ def test_a_step_with_drafted_and_undrafted_greedy_rows_runs_the_lm_head_once(mak
     model = runner.model
     calls_in_step: list[int] = []
     mixed_steps: list[int] = []
-    real_argmax, real_execute = model.compute_greedy_token_ids, runner.execute_model
+    real_argmax, real_logits, real_execute = model.compute_greedy_token_ids, model.compute_logits, runner.execute_model
 
+    # a pass of the LM head: the fused arg-max (CPU), or the logits where the model has none (CUDA)
     def counting_argmax(rows: Any) -> Any:
+        token_ids = real_argmax(rows)
+        calls_in_step[-1] += token_ids is not None
+        return token_ids
+
+    def counting_logits(rows: Any) -> Any:
         calls_in_step[-1] += 1
-        return real_argmax(rows)
+        return real_logits(rows)
 
     def counting_execute(sched: Any) -> Any:
         calls_in_step.append(0)
@@ -112,6 +118,7 @@ def test_a_step_with_drafted_and_undrafted_greedy_rows_runs_the_lm_head_once(mak
         return real_execute(sched)
 
     model.compute_greedy_token_ids = counting_argmax
+    model.compute_logits = counting_logits
     runner.execute_model = counting_execute
     _generate(spec_llm, [COPY_PROMPTS[2], PLAIN_PROMPTS[0], COPY_PROMPTS[3]], [GREEDY] * 3)
     assert mixed_steps, "no step mixed drafted and undrafted requests: the test checks nothing"

@@ -183,8 +183,13 @@ def test_n_samples_logprobs_and_prefix_caching(llm: LLM) -> None:
     params = _json_params(schema, 1.0, n=3, logprobs=2)
     first = _chat(llm, ["Make up a player's stats."], params)[0]
     assert len(first.outputs) == 3
+    # A sample may keep to the grammar without ever closing it: on an H100 (CUDA's own random streams) one wrote
+    # "ratio":1.000... until max_tokens. Those end by length; every sample that stops is a valid object.
+    stopped = [c for c in first.outputs if c.finish_reason == "stop"]
+    assert stopped and all(len(c.token_ids) == 160 for c in first.outputs if c not in stopped)
     for completion in first.outputs:
-        jsonschema.validate(json.loads(completion.text), schema)
+        if completion in stopped:
+            jsonschema.validate(json.loads(completion.text), schema)
         assert completion.logprobs is not None and len(completion.logprobs) == len(completion.token_ids)
         for token_id, position in zip(completion.token_ids, completion.logprobs, strict=True):
             assert position[token_id].logprob > float("-inf")  # sampled tokens are always allowed ones

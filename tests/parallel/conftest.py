@@ -35,6 +35,7 @@ def make_engine() -> Callable[..., LLM]:
     def make(model: str | None = None, **kwargs: Any) -> LLM:
         kwargs.setdefault("kv_cache_memory_bytes", TINY_KV_BYTES if model else 2**26)
         kwargs.setdefault("max_model_len", 256)
+        kwargs.setdefault("device", "cpu")  # gloo ranks; NCCL: test_multiproc's CUDA test
         llm = LLM(model, dtype="float32", **kwargs)
         _ENGINES.add(llm)
         return llm

@@ -111,7 +111,18 @@ def test_a_killed_worker_fails_the_engine_at_once(tiny_model: str, make_engine: 
 
 
 def test_a_killed_worker_makes_the_server_answer_503_and_exit_1(tmp_path: Path, tiny_model: str) -> None:
-    args = ["--model", tiny_model, "-tp", "2", "--kv-cache-memory-bytes", str(TINY_KV_BYTES), "--max-model-len", "256"]
+    args = [
+        "--model",
+        tiny_model,
+        "--device",
+        "cpu",
+        "-tp",
+        "2",
+        "--kv-cache-memory-bytes",
+        str(TINY_KV_BYTES),
+        "--max-model-len",
+        "256",
+    ]
     server = start_server(tmp_path, "tp_death", args)
     try:
         core_pid = httpx.get(server.url("/version")).json()["engine_core_pid"]

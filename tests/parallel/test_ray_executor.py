@@ -70,10 +70,11 @@ def test_the_ray_backend_without_ray_is_a_clear_error(monkeypatch: pytest.Monkey
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` now fails as where it is not installed
     before = set(psutil.Process().children())
     with pytest.raises(ValueError, match=r"distributed_executor_backend 'ray' needs Ray: pip install -e \.\[ray\]"):
-        LLM(pipeline_parallel_size=2, distributed_executor_backend="ray")
+        LLM(device="cpu", pipeline_parallel_size=2, distributed_executor_backend="ray")
     assert set(psutil.Process().children()) == before
 
 
+@needs_ray  # the config refuses the ray backend without Ray
 def test_the_ray_flags_reach_the_engine_config() -> None:
     argv = ["serve", "-tp", "2", "--distributed-executor-backend", "ray", "--ray-address", "127.0.0.1:6379"]
     parallel = engine_args_from(build_parser().parse_args(argv)).create_engine_config("m", 64).parallel_config
@@ -175,7 +176,13 @@ def test_ray_tp2_on_two_nodes_matches_one_rank(
 def test_more_ranks_than_the_cluster_has_cpus_are_refused(tiny_model: str, ray_pools_full_after: str) -> None:
     message = r"tensor_parallel_size \(--tensor-parallel-size\) 4 needs one CPU per rank; the Ray cluster has 2"
     with pytest.raises(ValueError, match=message):
-        LLM(tiny_model, tensor_parallel_size=4, distributed_executor_backend="ray", ray_address=ray_pools_full_after)
+        LLM(
+            tiny_model,
+            device="cpu",
+            tensor_parallel_size=4,
+            distributed_executor_backend="ray",
+            ray_address=ray_pools_full_after,
+        )
 
 
 @in_namespace
@@ -236,7 +243,7 @@ def test_a_killed_ray_actor_makes_the_server_answer_503_and_exit_1(
 ) -> None:
     """`folio serve` with tp=2 on the cluster: a rank's actor killed mid-stream ends the stream with engine_dead,
     /health answers 503 and the server exits 1 with the dead rank in its log, as with the mp executor."""
-    args = ["--model", tiny_model, "-tp", "2", "--distributed-executor-backend", "ray"]
+    args = ["--model", tiny_model, "--device", "cpu", "-tp", "2", "--distributed-executor-backend", "ray"]
     args += ["--ray-address", ray_pools_full_after, "--kv-cache-memory-bytes", str(TINY_KV_BYTES)]
     server = start_server(tmp_path, "ray_death", [*args, "--max-model-len", "256"])
     try:
