@@ -260,6 +260,13 @@ def add_dataset_args(parser: argparse.ArgumentParser, add_seed: bool = True) -> 
     g.add_argument(
         "--multi-turn-output-len", type=int, default=64, help="multi_turn: tokens generated per turn (default 64)"
     )
+    g.add_argument(
+        "--multi-turn-arrival",
+        choices=("waves", "closed-loop"),
+        default="waves",
+        help="multi_turn: turn t of every conversation at once after every turn t-1 (waves, the default), or each "
+        "conversation's next turn as soon as its last reply finished (closed-loop, as chat clients send them)",
+    )
 
 
 def requests_from_args(

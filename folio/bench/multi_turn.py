@@ -1,9 +1,12 @@
-"""`folio bench throughput --dataset-name multi_turn`: the KV-tier workload of issue 18, offline, in waves.
+"""`folio bench throughput --dataset-name multi_turn`: the KV-tier workload of issue 18, offline.
 
-Wave t sends every conversation's turn t at once through the in-process engine; each prompt is the whole history,
-with the replies the engine produced in the earlier waves (greedy, EOS ignored). The clock covers the waves' engine
-work only. TTFT is measured per request from its wave's start (all of a wave's requests are queued together) to
-the step that returned its first token.
+Each prompt is the whole history, with the replies the engine produced for the earlier turns (greedy, EOS
+ignored). Two arrival patterns (``--multi-turn-arrival``):
+- ``waves`` (the default): wave t sends every conversation's turn t at once, once every turn t-1 has finished. The
+  clock covers the waves' engine work only; a wave's last requests run in ever smaller batches.
+- ``closed-loop``: every conversation's first turn at once, then each conversation's next turn as soon as its last
+  reply finished, as a chat client sends it (no think time): the batch stays full until the conversations run out.
+TTFT is measured per request from its submission to the step that returned its first token.
 
 ``--compare-offloading`` runs the workload twice in one command, without and with the host KV tier (the engine
 flags otherwise the same), and prints both, their ratio, the tokens recomputed after preemption in each run and
@@ -20,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from folio.bench.datasets import MultiTurnWorkload, multi_turn_from_args
-from folio.bench.stepping import run_stepped
+from folio.bench.stepping import RequestStepper, run_stepped
 from folio.core.sched_output import ModelRunnerOutput, SchedulerOutput
 
 # The scheduler snapshot's counters a run reports, as differences over the run (getattr: 0 where a core has none).
@@ -111,26 +114,71 @@ def _run_wave(engine: Any, prompts: list[list[int]], output_len: int) -> tuple[l
     return [r.output_ids for r in run.requests], [r.ttft_s for r in run.requests]
 
 
-def run_multi_turn(llm: Any, workload: MultiTurnWorkload, label: str) -> MultiTurnRun:
-    """The workload in waves on ``llm`` (a warm-up request first, outside the clock and the counts)."""
+@dataclass
+class _Served:
+    """What serving the workload gave: every conversation's replies, each request's TTFT, the prompt tokens sent,
+    and the seconds on the clock."""
+
+    replies: list[list[list[int]]]
+    ttfts_s: list[float]
+    prompt_tokens: int
+    elapsed_s: float
+
+
+def _serve_in_waves(engine: Any, workload: MultiTurnWorkload) -> _Served:
+    replies: list[list[list[int]]] = [[] for _ in workload.user_turns]
+    served = _Served(replies, [], 0, 0.0)
+    for turn in range(workload.num_turns):
+        prompts = [workload.turn_prompt(c, turn, replies[c]) for c in range(len(replies))]
+        start = time.perf_counter()
+        outputs, wave_ttfts = _run_wave(engine, prompts, workload.output_len)
+        served.elapsed_s += time.perf_counter() - start
+        served.ttfts_s += wave_ttfts
+        served.prompt_tokens += sum(len(p) for p in prompts)
+        for c, output in enumerate(outputs):
+            replies[c].append(output)
+    return served
+
+
+def _serve_closed_loop(engine: Any, workload: MultiTurnWorkload) -> _Served:
+    from folio.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=workload.output_len, ignore_eos=True)
+    stepper = RequestStepper(engine)
+    served = _Served([[] for _ in workload.user_turns], [], 0, 0.0)
+    conversation_of: dict[str, int] = {}  # request id -> its conversation
+
+    def send_next_turn(c: int) -> None:
+        prompt = workload.turn_prompt(c, len(served.replies[c]), served.replies[c])
+        served.prompt_tokens += len(prompt)
+        conversation_of[stepper.add(prompt, params)] = c
+
+    for c in range(len(served.replies)):
+        send_next_turn(c)
+    while stepper.has_unfinished():
+        for request_id, request in stepper.step().items():
+            c = conversation_of.pop(request_id)
+            served.replies[c].append(request.output_ids)
+            served.ttfts_s.append(request.ttft_s)
+            if len(served.replies[c]) < workload.num_turns:
+                send_next_turn(c)
+    served.elapsed_s = stepper.now()
+    return served
+
+
+ARRIVALS = {"waves": _serve_in_waves, "closed-loop": _serve_closed_loop}
+
+
+def run_multi_turn(llm: Any, workload: MultiTurnWorkload, label: str, arrival: str = "waves") -> MultiTurnRun:
+    """The workload on ``llm`` with the given arrival pattern (a warm-up request first, outside the clock and the
+    counts)."""
     engine = llm.llm_engine
     _run_wave(engine, [workload.system_prompt[:16] or [1]], 2)  # first-use costs (kernels, allocator) off the clock
     counter = ComputeCounter(engine.engine_core.executor)
     engine.engine_core.executor = counter
     before = _counters(engine)
-    num_conversations = len(workload.user_turns)
-    replies: list[list[list[int]]] = [[] for _ in range(num_conversations)]
-    elapsed, ttfts, prompt_tokens = 0.0, [], 0
     try:
-        for turn in range(workload.num_turns):
-            prompts = [workload.turn_prompt(c, turn, replies[c]) for c in range(num_conversations)]
-            start = time.perf_counter()
-            outputs, wave_ttfts = _run_wave(engine, prompts, workload.output_len)
-            elapsed += time.perf_counter() - start
-            ttfts += wave_ttfts
-            prompt_tokens += sum(len(p) for p in prompts)
-            for c, output in enumerate(outputs):
-                replies[c].append(output)
+        served = ARRIVALS[arrival](engine, workload)
     finally:
         engine.engine_core.executor = counter.inner
     after = _counters(engine)
@@ -141,14 +189,14 @@ def run_multi_turn(llm: Any, workload: MultiTurnWorkload, label: str) -> MultiTu
         label=label,
         num_host_blocks=num_host_blocks,
         preemption_mode=mode,
-        elapsed_s=elapsed,
-        prompt_tokens=prompt_tokens,
-        output_tokens=sum(len(r) for conv in replies for r in conv),
-        ttfts_s=ttfts,
+        elapsed_s=served.elapsed_s,
+        prompt_tokens=served.prompt_tokens,
+        output_tokens=sum(len(r) for conv in served.replies for r in conv),
+        ttfts_s=served.ttfts_s,
         forwarded_tokens=counter.forwarded,
         recomputed_tokens=counter.recomputed,
         counters={name: after[name] - before[name] for name in _COUNTERS},
-        replies=replies,
+        replies=served.replies,
     )
 
 
@@ -159,7 +207,8 @@ def _describe(llm: Any, workload: MultiTurnWorkload, ns: argparse.Namespace) -> 
         f"Multi-turn chat: {len(workload.user_turns)} conversations x {workload.num_turns} turns (system "
         f"{ns.multi_turn_system_len}, user {ns.multi_turn_user_len}, output {workload.output_len} tokens); working "
         f"set {working_blocks} blocks of {cache.block_size} tokens; device KV pool {cache.num_blocks} blocks "
-        f"({100 * cache.num_blocks / working_blocks:.0f}% of it); host tier {cache.num_host_blocks} blocks"
+        f"({100 * cache.num_blocks / working_blocks:.0f}% of it); host tier {cache.num_host_blocks} blocks; "
+        f"turns arrive {'in waves' if ns.multi_turn_arrival == 'waves' else 'closed-loop'}"
     )
 
 
@@ -169,7 +218,7 @@ def _one_run(ns: argparse.Namespace, label: str, **overrides: Any) -> tuple[Mult
     llm = _make_llm(ns, **overrides)
     workload = multi_turn_from_args(ns, llm.llm_engine.model_spec.vocab_size, _special_ids(llm))
     description = _describe(llm, workload, ns)
-    run = run_multi_turn(llm, workload, label)
+    run = run_multi_turn(llm, workload, label, ns.multi_turn_arrival)
     del llm
     gc.collect()  # the next run's engine takes its KV cache and host tier
     return run, description

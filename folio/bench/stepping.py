@@ -32,35 +32,62 @@ class SteppedRun:
     num_steps: int
 
 
+class RequestStepper:
+    """An in-process engine stepped by hand: requests join at any step, each timed from its own submission (TTFT:
+    to the step that returned its first token; e2e: to the step that finished it)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.start = time.perf_counter()
+        self.num_steps = 0
+        self._submitted: dict[str, float] = {}
+        self._first: dict[str, float] = {}
+        self._seen: dict[str, int] = {}
+        self._steps_with_tokens: dict[str, int] = {}
+
+    def now(self) -> float:
+        return time.perf_counter() - self.start
+
+    def add(self, prompt: list[int], params: Any) -> str:
+        """Queues ``prompt`` (token ids) with its SamplingParams; returns its request id."""
+        from folio.engine.output_processor import RequestOutputKind
+
+        request_id = self.engine.next_request_id()
+        self._submitted[request_id] = self.now()
+        self.engine.add_request(request_id, {"prompt_token_ids": prompt}, params, 0, RequestOutputKind.CUMULATIVE)
+        return request_id
+
+    def has_unfinished(self) -> bool:
+        return bool(self.engine.has_unfinished_requests())
+
+    def step(self) -> dict[str, SteppedRequest]:
+        """One engine step; the requests it finished, by request id."""
+        outputs = self.engine.step()
+        self.num_steps += 1
+        now = self.now()
+        finished = {}
+        for out in outputs:
+            request_id, tokens = out.request_id, out.outputs[0].token_ids
+            if len(tokens) > self._seen.get(request_id, 0):
+                if request_id in self._first:
+                    self._steps_with_tokens[request_id] = self._steps_with_tokens.get(request_id, 0) + 1
+                else:
+                    self._first[request_id] = now
+                self._seen[request_id] = len(tokens)
+            if out.finished:
+                submitted = self._submitted.pop(request_id)
+                first = self._first.pop(request_id, now)
+                steps = self._steps_with_tokens.pop(request_id, 0)
+                self._seen.pop(request_id, None)
+                finished[request_id] = SteppedRequest(list(tokens), first - submitted, now - submitted, steps)
+        return finished
+
+
 def run_stepped(engine: Any, prompts: list[list[int]], params: list[Any]) -> SteppedRun:
     """Queues every prompt at once (token ids, with its SamplingParams) and steps the engine until all finish."""
-    from folio.engine.output_processor import RequestOutputKind
-
-    ids = [engine.next_request_id() for _ in prompts]
-    start = time.perf_counter()
-    for request_id, prompt, sampling in zip(ids, prompts, params, strict=True):
-        engine.add_request(request_id, {"prompt_token_ids": prompt}, sampling, 0, RequestOutputKind.CUMULATIVE)
-    first: dict[str, float] = {}
-    seen: dict[str, int] = {}
-    steps_with_tokens: dict[str, int] = {}
-    done: dict[str, tuple[list[int], float]] = {}
-    num_steps = 0
-    while engine.has_unfinished_requests():
-        outputs = engine.step()
-        num_steps += 1
-        now = time.perf_counter() - start
-        for out in outputs:
-            tokens = out.outputs[0].token_ids
-            if len(tokens) > seen.get(out.request_id, 0):
-                if out.request_id in first:
-                    steps_with_tokens[out.request_id] = steps_with_tokens.get(out.request_id, 0) + 1
-                else:
-                    first[out.request_id] = now
-                seen[out.request_id] = len(tokens)
-            if out.finished:
-                done[out.request_id] = (list(tokens), now)
-    elapsed = time.perf_counter() - start
-    requests = [
-        SteppedRequest(done[r][0], first.get(r, done[r][1]), done[r][1], steps_with_tokens.get(r, 0)) for r in ids
-    ]
-    return SteppedRun(requests, elapsed, num_steps)
+    stepper = RequestStepper(engine)
+    ids = [stepper.add(prompt, sampling) for prompt, sampling in zip(prompts, params, strict=True)]
+    done: dict[str, SteppedRequest] = {}
+    while stepper.has_unfinished():
+        done.update(stepper.step())
+    return SteppedRun([done[r] for r in ids], stepper.now(), stepper.num_steps)

@@ -1,5 +1,6 @@
 """The multi-turn chat workload (issue 18): the dataset builder's exact prompts (no model), the recompute counter
-over hand-written scheduler outputs, and one small real `folio bench throughput --compare-offloading` run."""
+over hand-written scheduler outputs, the two arrival patterns on a tiny real engine, and one small real
+`folio bench throughput --compare-offloading` run."""
 
 from __future__ import annotations
 
@@ -7,14 +8,17 @@ import argparse
 import json
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from folio import LLM
 from folio.bench.datasets import add_dataset_args, requests_from_args, sample_multi_turn
-from folio.bench.multi_turn import ComputeCounter
+from folio.bench.multi_turn import ComputeCounter, run_multi_turn
 from folio.core.sched_output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from folio.sampling_params import SamplingParams
 from tests.server.conftest import folio_script
+from tests.tiny_models import TINY_SHAPE, save_tiny_llama
 
 
 def test_turn_prompts_are_the_history_plus_the_new_message() -> None:
@@ -70,6 +74,43 @@ def test_compute_counter_counts_tokens_computed_again() -> None:
     counter.execute_model(_step([_new("a", 4), _new("b", 11)], CachedRequestData(), {"a": 7, "b": 1}))
     assert counter.forwarded == 10 + 10 + 1 + 1 + 7 + 1
     assert counter.recomputed == 7
+
+
+def test_closed_loop_sends_a_conversations_next_turn_as_its_reply_finishes(tmp_path: Path) -> None:
+    """3 conversations x 2 turns, 2 requests at a time: closed-loop, a conversation's turn 1 joins while another's
+    turn 0 is still in the engine; in waves, only once every turn 0 has finished. Same replies either way."""
+    llm = LLM(save_tiny_llama(tmp_path), device="cpu", dtype="float32", kv_cache_memory_bytes=2**22, max_num_seqs=2)
+    workload = sample_multi_turn(
+        3, 2, system_len=16, user_len=8, output_len=4, vocab_size=TINY_SHAPE["vocab_size"], seed=0
+    )
+    engine = llm.llm_engine
+    original_add, original_step = engine.add_request, engine.step
+    open_first_turns: set[str] = set()  # turn-0 requests added and not finished
+    turn_1_beside_a_first_turn: list[bool] = []  # per turn-1 request added: was a turn-0 request still open?
+
+    def logging_add(request_id: str, prompt: Any, *args: Any) -> Any:
+        length = len(prompt["prompt_token_ids"])
+        if length == 16 + 8:
+            open_first_turns.add(request_id)
+        elif length == 16 + 8 + 4 + 8:
+            turn_1_beside_a_first_turn.append(bool(open_first_turns))
+        return original_add(request_id, prompt, *args)
+
+    def logging_step() -> Any:
+        outputs = original_step()
+        open_first_turns.difference_update(out.request_id for out in outputs if out.finished)
+        return outputs
+
+    engine.add_request, engine.step = logging_add, logging_step
+    runs = {}
+    for arrival in ("waves", "closed-loop"):
+        turn_1_beside_a_first_turn.clear()
+        runs[arrival] = run_multi_turn(llm, workload, arrival, arrival)
+        seen = turn_1_beside_a_first_turn
+        assert len(seen) == 3 and any(seen) == (arrival == "closed-loop"), (arrival, seen)
+    waves, closed = runs["waves"], runs["closed-loop"]
+    assert closed.replies == waves.replies and all(len(turns) == 2 for turns in closed.replies)
+    assert closed.prompt_tokens == waves.prompt_tokens == 3 * (24 + 36) and len(closed.ttfts_s) == 6
 
 
 def test_compare_offloading_runs_end_to_end(tmp_path: Path) -> None:
