@@ -17,6 +17,7 @@ import numpy as np
 
 from folio.structured.backend import GrammarError
 from folio.structured.params import GrammarSpec
+from folio.structured.token_bytes import check_token_bytes
 
 _MAX_JSON_WHITESPACE = 4
 _JSON_OPTIONS: dict[str, Any] = {"whitespace_pattern": rf"[\x20\x0A\x0D\x09]{{0,{_MAX_JSON_WHITESPACE}}}"}
@@ -79,6 +80,7 @@ class GuidanceBackend:
         self.stop_token_ids = frozenset(stop_token_ids)
         # Every stop id ends a complete grammar (models with several EOS ids).
         self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=list(stop_token_ids))
+        check_token_bytes(self.name, tokenizer, self.tokenizer.decode_bytes)
         self.executor = llguidance.LLExecutor(num_threads=num_threads)
 
     def compile(self, spec: GrammarSpec) -> Any:

@@ -16,6 +16,7 @@ import xgrammar
 
 from folio.structured.backend import GrammarError, fill_bitmask_by_rounds
 from folio.structured.params import GrammarSpec
+from folio.structured.token_bytes import check_token_bytes
 
 _MAX_JSON_WHITESPACE = 4  # as the guidance backend: a model cannot pad JSON with whitespace forever
 # Keywords xgrammar accepts but does not enforce (as vLLM's has_xgrammar_unsupported_json_features).
@@ -116,6 +117,7 @@ class XgrammarBackend:
         info = xgrammar.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids)
         )
+        check_token_bytes(self.name, tokenizer, lambda ids: b"".join(info.decoded_vocab[i] for i in ids))
         self.compiler = xgrammar.GrammarCompiler(info, max_threads=num_threads, cache_enabled=False)
         self.batch = xgrammar.BatchGrammarMatcher(max_threads=num_threads)
 

@@ -34,6 +34,7 @@ from folio.structured.bitmask import (
 )
 from folio.structured.manager import StructuredOutputManager
 from folio.structured.params import GrammarSpec, StructuredOutputsParams
+from folio.structured.token_bytes import PROBE
 
 BACKENDS = [
     pytest.param(name, marks=pytest.mark.skipif(_missing, reason=f"{name} not installed"))
@@ -286,6 +287,36 @@ def test_a_schema_compiles_once_for_many_requests() -> None:
         manager.take_ready(wait=True)
     assert len(manager.matchers) == 3 and calls == ["tokenizer"]
     manager.shutdown()
+
+
+def _as_transformers_5_17_converted_it(tokenizer: Any) -> Any:
+    """The real tokenizer as transformers 5.17 converted the GGUF: byte_fallback BPE, a sentencepiece decoder."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    described = json.loads(tokenizer.backend_tokenizer.to_str())
+    described["model"]["byte_fallback"] = True
+    replace_marker = {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "}
+    steps = [{"type": "ByteFallback"}, {"type": "Fuse"}, replace_marker, described["decoder"]]
+    described["decoder"] = {"type": "Sequence", "decoders": steps}
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(described)))
+
+
+@pytest.mark.parametrize("backend_name", BACKENDS)
+def test_a_backend_that_misreads_the_vocabulary_refuses_to_start(backend_name: str) -> None:
+    """Seen on a GPU machine's transformers 5.17: transformers still decodes the text right, llguidance does not,
+    and every grammar would refuse valid JSON. Its backend refuses to start, naming the way out; xgrammar reads
+    that vocabulary right (it tells byte-level from byte-fallback otherwise) and starts."""
+    tokenizer, spec = _tokenizer_and_spec()
+    eos = list(spec.eos_token_ids)
+    create_backend(backend_name, tokenizer, spec.vocab_size, eos)  # the tokenizer as converted today passes
+    misread = _as_transformers_5_17_converted_it(tokenizer)
+    assert misread.decode(misread.encode(PROBE, add_special_tokens=False)) == PROBE
+    if backend_name == "xgrammar":
+        create_backend(backend_name, misread, spec.vocab_size, eos)
+        return
+    with pytest.raises(ValueError, match=r"reads this tokenizer's tokens as other bytes .* transformers>=5\.18"):
+        create_backend(backend_name, misread, spec.vocab_size, eos)
 
 
 # ---------------------------------------------------------------------------------------------- config
