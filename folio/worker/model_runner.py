@@ -116,9 +116,13 @@ class ModelRunner:
         greedy_ids = spec_argmax_ids = None
         if metadata is not None and not model_input.prompt_logprobs and self.sampler.only_argmax(metadata, True):
             # One pass of the LM head for the drafted rows too (it streams the whole LM-head weight each call).
-            greedy_ids = self.model.compute_greedy_token_ids(all_rows)  # None where the model has no such path
-            if greedy_ids is None and spec_rows is not None:  # e.g. CUDA: one LM-head GEMM over every row too
-                greedy_ids = self.model.compute_logits(all_rows).argmax(dim=-1)
+            # With drafts, logits where the model has no fused arg-max (CUDA): still one LM-head pass; without, None
+            # there, and the sampler takes the arg-max of the rows' logits below.
+            greedy_ids = (
+                self._greedy_token_ids(all_rows)
+                if spec_rows is not None
+                else self.model.compute_greedy_token_ids(all_rows)
+            )
             if greedy_ids is not None and spec_rows is not None:
                 greedy_ids, spec_argmax_ids = greedy_ids[: rows.shape[0]], greedy_ids[rows.shape[0] :]
             if greedy_ids is not None and metadata.grammar_bitmask is not None:  # logits only where banned
