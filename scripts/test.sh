@@ -6,10 +6,10 @@ bash scripts/setup.sh
 .venv/bin/ruff check folio tests
 .venv/bin/ruff format --check folio tests
 .venv/bin/mypy --strict --follow-imports=silent folio/core
-# Two worker processes (pytest-xdist), one OpenMP thread each: the two cores stay busy through the tests' start-ups,
-# servers and waits, and the suite takes about two thirds of its serial time. Work units: tests/conftest.py.
-# FOLIO_TEST_WORKERS=0 runs it in one process (two threads).
-WORKERS=${FOLIO_TEST_WORKERS:-2}
+# Three worker processes (pytest-xdist) on CI's two cores, one OpenMP thread each: with two, about 14% of the CPU
+# time went idle while tests waited on servers and subprocess start-ups (docs/performance.md, session 21).
+# Work units: tests/conftest.py. FOLIO_TEST_WORKERS=0 runs it in one process (two threads).
+WORKERS=${FOLIO_TEST_WORKERS:-3}
 if [ "$WORKERS" = 0 ]; then
   .venv/bin/python -m pytest -q "$@"
 else

@@ -51,7 +51,7 @@ def hf_fixture_dir(gguf_path: str) -> Path:
 
 # The test directories that hold loaded models (tests/engine/conftest.py's memo; the reference and Folio models of
 # this file, which only they use): one pytest-xdist work unit, so that only one worker holds those models
-# (scripts/test.sh runs two workers).
+# (scripts/test.sh runs three workers).
 _SHARED_MODEL_DIRS = ("tests/engine/", "tests/model/")
 # Directories of kernel tests: each test runs its kernels on two OpenMP threads, whatever OMP_NUM_THREADS the
 # worker has (scripts/test.sh gives each worker one), so that the kernels' thread splits stay covered.
