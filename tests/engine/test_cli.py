@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.engine.conftest import TEST_KV_BYTES
+
 
 def folio_command() -> list[str]:
     script = Path(sys.executable).parent / "folio"
@@ -20,9 +22,13 @@ def folio_command() -> list[str]:
     return [found]
 
 
+# The default KV cache (up to 4 GiB) takes 7-10 s to fault in on a slow VM (docs/performance.md, session 21).
+SMALL_KV = ["--kv-cache-memory-bytes", str(TEST_KV_BYTES)]
+
+
 def test_generate_subprocess() -> None:
     result = subprocess.run(
-        [*folio_command(), "generate", "The capital of France is", "--max-tokens", "8"],
+        [*folio_command(), "generate", "The capital of France is", "--max-tokens", "8", *SMALL_KV],
         capture_output=True,
         text=True,
         timeout=300,
@@ -35,7 +41,7 @@ def test_generate_subprocess() -> None:
 def test_chat_subprocess() -> None:
     result = subprocess.run(
         # float32: CUDA's auto dtype, bfloat16, meets a near-tie in this answer (docs/performance.md, session 9)
-        [*folio_command(), "chat", "--max-tokens", "24", "--dtype", "float32"],
+        [*folio_command(), "chat", "--max-tokens", "24", "--dtype", "float32", *SMALL_KV],
         input="What is the capital of France?\nexit\n",
         capture_output=True,
         text=True,
