@@ -64,6 +64,13 @@ def plan_engines(
     if not cuda and data_parallel_size * tp > num_cpu_threads:
         ranks = data_parallel_size * tp
         logger.warning("%s: %d ranks share %d CPU threads: each gets 1", FLAG, ranks, num_cpu_threads)
+    # The default KV budget is read once from free RAM and divided: read per core, it drifts with other processes.
+    cache = config.cache_config
+    per_rank_kv_bytes = None
+    if not cuda and cache.kv_cache_memory_bytes is None and cache.num_gpu_blocks_override is None:
+        from folio.worker.kv_cache_shape import default_cpu_kv_bytes
+
+        per_rank_kv_bytes = default_cpu_kv_bytes() // (data_parallel_size * tp)
     plans: list[tuple[EngineConfig, CorePlacement | None]] = []
     for index in range(data_parallel_size):
         engine_config = copy.deepcopy(config)
@@ -71,11 +78,8 @@ def plan_engines(
             placement = CorePlacement(cuda_visible_devices=",".join(gpus[index * tp : (index + 1) * tp]))
         else:
             placement = CorePlacement(num_cpu_threads=threads)
-            cache = engine_config.cache_config
-            if cache.kv_cache_memory_bytes is None and cache.num_gpu_blocks_override is None:
-                from folio.worker.kv_cache_shape import default_cpu_kv_bytes
-
-                cache.kv_cache_memory_bytes = default_cpu_kv_bytes() // (data_parallel_size * tp)  # per rank
+            if per_rank_kv_bytes is not None:
+                engine_config.cache_config.kv_cache_memory_bytes = per_rank_kv_bytes
         plans.append((engine_config, placement))
     return plans
 
