@@ -136,3 +136,15 @@ def test_the_api_server_side_loads_spec_and_cached_tokenizer_without_torch(defau
     )
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
     assert result.stdout.split() == ["LlamaForCausalLM", "TokenizersBackend", "False"], result.stderr[-2000:]
+
+
+def test_the_engine_core_side_imports_no_transformers() -> None:
+    """The engine core process loads a tokenizer only for a grammar, when the first structured request comes
+    (folio/engine/core.py): its modules leave transformers unimported (about a second of every start)."""
+    script = (
+        "import sys\n"
+        "import folio.engine.core_proc, folio.executor.uniproc, folio.model.loader\n"
+        "print(sorted(m for m in sys.modules if m == 'transformers' or m.startswith('transformers.'))[:5])\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
+    assert result.stdout.split() == ["[]"], result.stdout[-2000:] + result.stderr[-2000:]
