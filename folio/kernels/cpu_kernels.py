@@ -18,6 +18,7 @@ from folio.kernels.cpu_gemm import CpuGemm
 from folio.kernels.cpu_ops import CpuOps
 from folio.kernels.cpu_plan import CpuPlan, choose_cpu_plan
 from folio.kernels.isa import IsaTier, cpu_info
+from folio.kernels.kv_block_copy import BlockCopy, CpuBlockCopy, aten_copy_blocks
 from folio.logger import init_logger
 
 logger = init_logger()
@@ -43,6 +44,7 @@ class CpuKernels:
     dtype: torch.dtype
     gemm: CpuGemm | None = field(default=None)
     ops: CpuOps | None = field(default=None)
+    block_copy: BlockCopy = field(default=aten_copy_blocks)  # the KV block copies the plan chose
 
     @property
     def tier(self) -> IsaTier:
@@ -94,4 +96,5 @@ def load_cpu_kernels(tier: IsaTier | None, dtype: torch.dtype) -> CpuKernels:
         dtype=dtype,
         gemm=CpuGemm(lib) if lib is not None and plan.gemm == "folio" else None,
         ops=CpuOps(lib, dtype) if lib is not None and plan.elementwise == "folio" else None,
+        block_copy=CpuBlockCopy(lib) if lib is not None and plan.kv_block_copy == "folio" else aten_copy_blocks,
     )

@@ -27,6 +27,9 @@ FOLIO_MIN_TIER: dict[str, IsaTier] = {
     # a float32 greedy LM head screened in bfloat16 and rescored in float32 (the float32 arg-max exactly): needs
     # vdpbf16ps, twice the float32 FMA's work per instruction; widened bfloat16 does the float32 FMA's work
     "lm_head_bf16_screen": IsaTier.AVX512_BF16,
+    # whole KV blocks between the tiers and for copy-on-write: libc's memcpy per block run, vectorised by libc on
+    # every tier; 2.3-2.5x ATen's gather-then-scatter (folio/kernels/kv_block_copy.py)
+    "kv_block_copy": IsaTier.GENERIC,
 }
 
 
@@ -60,6 +63,7 @@ class CpuPlan:
     prefill_attention: str
     elementwise: str  # RMSNorm + residual, rotary, SiLU-and-mul, the K/V write
     fused_decoder: str  # every layer in one C call: needs Folio's kernel for every operation above
+    kv_block_copy: str  # whole KV blocks (host tier stores and loads, copy-on-write): "folio" or "torch"
 
     def describe(self) -> str:
         """One line for the start-up log: every operation and its implementation."""
@@ -91,6 +95,7 @@ def choose_cpu_plan(tier: IsaTier, dtype_name: str, have_compiler: bool = True, 
         prefill_attention=prefill,
         elementwise=elementwise,
         fused_decoder="folio" if all_folio else "off",
+        kv_block_copy=folio_or("kv_block_copy", "torch"),
     )
 
 

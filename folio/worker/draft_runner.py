@@ -22,10 +22,10 @@ import torch
 from folio.attention.builder import build_attn_metadata, compute_positions
 from folio.core.sched_output import SchedulerOutput
 from folio.kernels.cpu_kernels import CpuKernels
+from folio.kernels.kv_block_copy import BlockCopy
 from folio.model.llama import LlamaForCausalLM
 from folio.model.loader import ModelSpec, load_model, read_model_spec
 from folio.spec_decode.draft_model import DraftProgress, check_draft_vocab, num_drafts_to_propose
-from folio.worker.kv_offload import copy_blocks
 from folio.worker.request_state import CachedRequestState, RequestStates
 
 logger = logging.getLogger("folio")
@@ -93,9 +93,9 @@ class DraftModelRunner:
         for new in sched.scheduled_new_reqs:
             self.progress[new.req_id] = DraftProgress(new.num_computed_tokens)
 
-    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        """The target's copy-on-write plans, applied to the draft's cache as well."""
-        copy_blocks(self.kv_caches, [c[0] for c in copies], self.kv_caches, [c[1] for c in copies])
+    def copy_blocks(self, copies: list[tuple[int, int]], block_copy: BlockCopy) -> None:
+        """The target's copy-on-write plans, applied to the draft's cache as well (by the target's ``block_copy``)."""
+        block_copy(self.kv_caches, [c[0] for c in copies], self.kv_caches, [c[1] for c in copies])
 
     def propose(
         self,

@@ -14,7 +14,8 @@ for that event before scattering into the host tier, so a stored device block ma
 follows. Loads: the host thread gathers into pinned staging memory, the side stream copies it to the device and
 scatters it into the destination blocks, and the compute stream waits on the loads' event before the copy-on-write
 plans and the forward: the host thread goes on preparing the step's inputs while the loads are in flight.
-CPU: the same gathers and scatters run directly (ATen's index_select / index_copy_, parallel over blocks).
+CPU: the copies run directly, by the ``BlockCopy`` the CPU plan chose (folio/kernels/kv_block_copy.py): one
+parallel C call that copies each block's K and V runs, or ATen's gather-then-scatter.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import logging
 import math
 
 import torch
+
+from folio.kernels.kv_block_copy import BlockCopy, aten_copy_blocks
 
 logger = logging.getLogger("folio")
 
@@ -112,7 +115,14 @@ class HostKVCache:
 class KVTransfer:
     """Executes a step's stores and loads between the device caches and a HostKVCache. No policy here."""
 
-    def __init__(self, device_caches: list[torch.Tensor], host: HostKVCache, device: torch.device) -> None:
+    def __init__(
+        self,
+        device_caches: list[torch.Tensor],
+        host: HostKVCache,
+        device: torch.device,
+        block_copy: BlockCopy = aten_copy_blocks,
+    ) -> None:
+        """``block_copy``: how the CPU copies blocks (the plan's choice); CUDA stages through pinned memory."""
         if device_caches and len(device_caches) != len(host.caches):
             raise ValueError(f"{len(device_caches)} device layer caches but {len(host.caches)} host ones")
         self.device = device
@@ -120,6 +130,7 @@ class KVTransfer:
         self.device_caches = [storage_view(c, host.head_major) for c in device_caches]  # storage order
         self.cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self.block_copy = block_copy
 
     def execute(self, stores: list[tuple[int, int]], loads: list[tuple[int, int]]) -> None:
         """Stores (device id, host id) then loads (host id, device id); returns once the stores are in the host
@@ -133,7 +144,7 @@ class KVTransfer:
 
     def _store(self, src: list[int], dst: list[int]) -> None:
         if self.stream is None:
-            copy_blocks(self.device_caches, src, self.host.caches, dst)
+            self.block_copy(self.device_caches, src, self.host.caches, dst)
             return
         dst_idx = torch.tensor(dst, dtype=torch.long)
         compute = torch.cuda.current_stream(self.device)
@@ -154,7 +165,7 @@ class KVTransfer:
 
     def _load(self, src: list[int], dst: list[int]) -> None:
         if self.stream is None:
-            copy_blocks(self.host.caches, src, self.device_caches, dst)
+            self.block_copy(self.host.caches, src, self.device_caches, dst)
             return
         src_idx = torch.tensor(src, dtype=torch.long)
         compute = torch.cuda.current_stream(self.device)
@@ -172,15 +183,3 @@ class KVTransfer:
             done = torch.cuda.Event()
             done.record(self.stream)
         compute.wait_event(done)  # copy-on-write and the forward read the loaded blocks after this
-
-
-def copy_blocks(src_caches: list[torch.Tensor], src: list[int], dst_caches: list[torch.Tensor], dst: list[int]) -> None:
-    """Blocks src[i] of each layer's source cache into blocks dst[i] of its destination: one gather and one scatter
-    per layer, on one device (the host tier on the CPU, or copy-on-write within the device cache)."""
-    if not src_caches:  # the no-op model keeps no K/V
-        return
-    device = src_caches[0].device
-    src_idx = torch.tensor(src, dtype=torch.long, device=device)
-    dst_idx = torch.tensor(dst, dtype=torch.long, device=device)
-    for src_cache, dst_cache in zip(src_caches, dst_caches, strict=True):
-        dst_cache.index_copy_(1, dst_idx, src_cache.index_select(1, src_idx))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from folio.core.sched_output import LogprobsLists, ModelRunnerOutput, SchedulerOutput
+from folio.kernels.kv_block_copy import BlockCopy, aten_copy_blocks
 from folio.model.llama import LlamaForCausalLM
 from folio.model.noop import NoopCausalLM
 from folio.sample.logprobs import compute_prompt_logprobs
@@ -26,7 +27,7 @@ from folio.worker.draft_runner import DraftModelRunner
 from folio.worker.input_batch import ModelInput, prepare_model_input
 from folio.worker.kv_connector import RemoteKVLoader
 from folio.worker.kv_disk import DiskKVTransfer
-from folio.worker.kv_offload import KVTransfer, copy_blocks
+from folio.worker.kv_offload import KVTransfer
 from folio.worker.request_state import CachedRequestState, RequestStates
 from folio.worker.spec_decode import propose_drafts, verify_drafts
 
@@ -49,6 +50,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.step_timer: StepTimer | None = None  # set only by profiling benchmarks (folio.step_timer)
         self.decode_graphs: DecodeGraphs | None = None  # set by enable_decode_graphs
+        self.block_copy: BlockCopy = aten_copy_blocks  # copy-on-write; the worker sets the CPU plan's choice
         self.kv_transfer: KVTransfer | None = None  # set by the worker when a host KV tier exists
         self.kv_disk: DiskKVTransfer | None = None  # set by the worker when a disk tier exists under it
         self.kv_remote: RemoteKVLoader | None = None  # set by the worker for a kv_transfer_config consumer
@@ -221,9 +223,9 @@ class ModelRunner:
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: K and V of each src block into its dst block, in every layer, before anyone writes."""
-        copy_blocks(self.kv_caches, [c[0] for c in copies], self.kv_caches, [c[1] for c in copies])
+        self.block_copy(self.kv_caches, [c[0] for c in copies], self.kv_caches, [c[1] for c in copies])
         if self.draft_runner is not None:
-            self.draft_runner.copy_blocks(copies)
+            self.draft_runner.copy_blocks(copies, self.block_copy)
 
     def _sampling_metadata(self, states: list[CachedRequestState]) -> SamplingMetadata:
         return SamplingMetadata.build(

@@ -79,6 +79,8 @@ class Worker:
             self.device,
         )
         self.model_runner.is_last_stage = stage is None or stage.is_last  # the stages before it do not sample
+        if self.cpu_kernels is not None:
+            self.model_runner.block_copy = self.cpu_kernels.block_copy
         speculative = config.speculative_config
         if self.draft_model is not None and self.draft_kv_shape is not None and speculative is not None:
             assert speculative.num_speculative_tokens is not None
@@ -99,7 +101,9 @@ class Worker:
         # After the device cache, so that on the CPU the RAM check sees what the device cache already took.
         self.host_kv_cache = self._allocate_host_tier(noop)
         if self.host_kv_cache is not None:
-            self.model_runner.kv_transfer = KVTransfer(self.model_runner.kv_caches, self.host_kv_cache, self.device)
+            self.model_runner.kv_transfer = KVTransfer(
+                self.model_runner.kv_caches, self.host_kv_cache, self.device, self.model_runner.block_copy
+            )
             self.model_runner.kv_disk = self._open_disk_tier(self.model_runner.kv_transfer)
         self.kv_connector = self._kv_connector()
         if self._wants_decode_graphs():

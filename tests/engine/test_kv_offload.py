@@ -14,6 +14,8 @@ from folio import LLM, SamplingParams
 from folio.cli import build_parser, engine_args_from
 from folio.config import EngineArgs
 from folio.core.sched_output import SchedulerOutput
+from folio.kernels.cpu_kernels import load_cpu_kernels
+from folio.kernels.kv_block_copy import BlockCopy, CpuBlockCopy, aten_copy_blocks
 from folio.worker.kv_cache_shape import KVCacheShape
 from folio.worker.kv_offload import HostKVCache, KVTransfer, mem_available_bytes, resolve_num_host_blocks
 from tests.engine.conftest import TEST_KV_BYTES
@@ -70,10 +72,22 @@ def _pairs(rng: random.Random, n: int, num_src: int, num_dst: int) -> list[tuple
     return pairs[:n]
 
 
+def _block_copy(name: str) -> BlockCopy:
+    """ATen's gather-then-scatter, or the C call of the native tier's library."""
+    if name == "aten":
+        return aten_copy_blocks
+    copy = load_cpu_kernels(None, torch.float32).block_copy
+    assert isinstance(copy, CpuBlockCopy)
+    return copy
+
+
 @pytest.mark.parametrize("head_major", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_batched_copies_match_the_block_by_block_reference(head_major: bool, dtype: torch.dtype, seed: int) -> None:
+@pytest.mark.parametrize("copier", ["aten", "folio"])
+def test_batched_copies_match_the_block_by_block_reference(
+    head_major: bool, dtype: torch.dtype, seed: int, copier: str
+) -> None:
     shape = KVCacheShape(num_layers=3, block_size=4, num_kv_heads=2, head_dim=8, dtype=dtype, head_major=head_major)
     device, host = _random_caches(shape, num_device=12, num_host=20, seed=seed)
     ref_device = [c.clone() for c in device]
@@ -84,7 +98,7 @@ def test_batched_copies_match_the_block_by_block_reference(head_major: bool, dty
     loads.append((stores[0][1], stores[0][0]))  # a stored block's host copy loaded back into it
     loads.append(((stores[-1][1] + 1) % 20, stores[-1][0]))  # a block stored this step is a load destination
     _reference(ref_device, ref_host, stores, loads)
-    KVTransfer(device, host, CPU).execute(stores, loads)
+    KVTransfer(device, host, CPU, _block_copy(copier)).execute(stores, loads)
     for layer in range(shape.num_layers):
         assert torch.equal(device[layer], ref_device[layer])
         assert torch.equal(_host_view(host, layer), ref_host[layer])
@@ -187,6 +201,8 @@ def test_engine_resolves_logs_and_executes_with_a_host_tier(caplog: pytest.LogCa
         base.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
     )
     runner = worker.model_runner
+    # the CPU plan's block copy, for the host tier's copies and copy-on-write alike
+    assert isinstance(runner.block_copy, CpuBlockCopy) and runner.kv_transfer.block_copy is runner.block_copy
     step = SchedulerOutput.make_empty()
     step.kv_stores, step.kv_loads = [(0, num_host - 1)], [(num_host - 1, 5)]
     runner.execute_model(step)

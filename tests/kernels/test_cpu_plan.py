@@ -60,6 +60,7 @@ def test_folio_kernel_exactly_where_it_has_a_vectorised_body(tier: IsaTier, dtyp
         ("decode_attention", plan.decode_attention),
         ("prefill_attention", plan.prefill_attention),
         ("elementwise", plan.elementwise),
+        ("kv_block_copy", plan.kv_block_copy),
     ]:
         assert (impl == "folio") == (tier >= FOLIO_MIN_TIER[op]), (op, impl)
     screened = dtype_name == "float32" and tier >= FOLIO_MIN_TIER["lm_head_bf16_screen"]
@@ -85,6 +86,7 @@ def test_fallbacks() -> None:
     # no compiler: no Folio kernel on any tier; no oneDNN in the torch build: torch's GEMM
     no_cc = choose_cpu_plan(IsaTier.AVX512_BF16, "float32", have_compiler=False)
     assert {no_cc.gemm, no_cc.decode_attention, no_cc.elementwise} == {"onednn", "torch"}
+    assert no_cc.kv_block_copy == "torch"
     assert choose_cpu_plan(IsaTier.GENERIC, "float32", have_onednn=False).gemm == "torch"
     best = choose_cpu_plan(IsaTier.AVX512_BF16, "bfloat16")
     assert best.fused_decoder == "folio" and "gemm=folio" in best.describe() and "tier" not in best.describe()
