@@ -3,8 +3,8 @@
 Two implementations of one signature (``BlockCopy``): ATen's gather-then-scatter, which runs on every device and
 layout, and one parallel C call (``folio_copy_kv_blocks``, kv_block_copy.c) that copies each block's K and V runs
 directly: half the memory traffic, 1.9-2.4x faster on 8-100 float32 blocks of SmolLM2
-(``benchmarks/kv_block_copy.py``, AMD EPYC, avx512_bf16 tier, 2 threads). The C call takes only what it can copy exactly as ATen would, and hands
-everything else to ATen.
+(``benchmarks/kv_block_copy.py``, AMD EPYC, avx512_bf16 tier, 2 threads). The C call takes only what it can copy
+exactly as ATen would, and hands everything else to ATen.
 """
 
 from __future__ import annotations
