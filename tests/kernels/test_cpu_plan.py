@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from folio.kernels.cpu_build import build_every_tier, load_kernel_library, native_tier
+from folio.kernels.cpu_kernels import library_tier
 from folio.kernels.cpu_plan import FOLIO_MIN_TIER, check_cpu_dtype, choose_cpu_plan
 from folio.kernels.isa import IsaTier, compile_flags, detect_tier, resolve_cpu_isa
 
@@ -92,3 +94,12 @@ def test_fallbacks() -> None:
     assert best.fused_decoder == "folio" and "gemm=folio" in best.describe() and "tier" not in best.describe()
     with pytest.raises(ValueError, match="float32 or bfloat16"):
         choose_cpu_plan(IsaTier.AVX2, "float16")
+
+
+def test_setup_builds_every_tier_this_cpu_runs() -> None:
+    """scripts/setup.sh's build: every tier up to this CPU's, each library reporting the tier it was built for."""
+    tiers = build_every_tier()
+    assert tiers == [tier for tier in IsaTier if tier <= native_tier()]
+    for tier in tiers:
+        lib = load_kernel_library("cpu_kernels", tier)
+        assert lib is not None and library_tier(lib) == tier
