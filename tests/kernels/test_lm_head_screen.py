@@ -115,9 +115,23 @@ def test_no_screen_for_what_it_cannot_cover() -> None:
     gemm = _gemm(IsaTier.GENERIC)
     assert gemm.build_screen(torch.randn(10, 7)) is None  # odd k: the bfloat16 tiles read x in pairs
     assert gemm.build_screen(torch.randn(10, 8).bfloat16()) is None  # a bfloat16 head needs no screen
-    w = torch.randn(10, 8)
-    w[2, 2] = float("inf")
-    assert gemm.build_screen(w) is None
+    for bad in (float("inf"), float("-inf"), float("nan")):
+        w = torch.randn(10, 8)
+        w[2, 2] = bad
+        assert gemm.build_screen(w) is None, bad
+
+
+def test_the_screens_bounds_are_the_float64_ones_rounded_up() -> None:
+    """Row norms summed in float64 a slice of rows at a time, over more rows than one slice, and the largest
+    magnitude (a negative entry here): exactly what the whole weight widened to float64 gives."""
+    w = torch.randn(9000, 64, generator=torch.Generator().manual_seed(3)) * 1e20
+    w[7000, 5] = -1e25
+    screen = _gemm(IsaTier.GENERIC).build_screen(w)
+    assert screen is not None
+    wide = w.double()
+    assert torch.equal(screen.w_norm, (wide.norm(dim=1) * (1 + 1e-6)).float())
+    assert float(wide.abs().max()) == -float(w[7000, 5])  # the largest magnitude is the negative entry
+    assert screen.w_abs_max == float(wide.abs().max()) * (1 + 1e-6)
 
 
 def test_more_rows_than_a_chunk_is_not_run(cpu_tier: IsaTier) -> None:
