@@ -28,7 +28,7 @@ FOLIO_MIN_TIER: dict[str, IsaTier] = {
     # vdpbf16ps, twice the float32 FMA's work per instruction; widened bfloat16 does the float32 FMA's work
     "lm_head_bf16_screen": IsaTier.AVX512_BF16,
     # whole KV blocks between the tiers and for copy-on-write: libc's memcpy per block run, vectorised by libc on
-    # every tier; 2.3-2.5x ATen's gather-then-scatter (folio/kernels/kv_block_copy.py)
+    # every tier; 1.9-2.4x the speed of ATen's gather-then-scatter (benchmarks/kv_block_copy.py)
     "kv_block_copy": IsaTier.GENERIC,
 }
 

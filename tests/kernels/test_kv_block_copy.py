@@ -97,9 +97,27 @@ def test_plans_the_c_call_cannot_order_go_to_aten(src: list[int], dst: list[int]
     assert not copy._runs_in_c(caches, src, caches, dst), why
     expected = _clone(caches)
     aten_copy_blocks(_clone(caches), src, expected, dst)  # every source read before any destination is written
+    before = _clone(caches)
     copy(caches, src, caches, dst)
     if len(set(dst)) == len(dst):
         _assert_same(caches, expected)  # block 3 holds block 2's old K/V, as ATen's order gives
+    else:  # block 4 holds one of its two sources, whole
+        assert all(
+            any(torch.equal(cache[:, 4], old[:, s]) for s in src) for cache, old in zip(caches, before, strict=True)
+        )
+
+
+def test_odd_block_sizes(cpu_tier: IsaTier) -> None:
+    """Blocks of 5 positions x 1 head x 7 dims (140 bytes a run): no size the vector width divides."""
+    gen = torch.Generator().manual_seed(8)
+    src = [torch.randn((2, 9, 5, 1, 7), generator=gen) for _ in range(2)]
+    dst = [torch.randn((2, 4, 5, 1, 7), generator=gen) for _ in range(2)]
+    expected = _clone(dst)
+    aten_copy_blocks(src, [8, 0, 3], expected, [1, 3, 0])
+    copy = _copier(cpu_tier)
+    assert copy._runs_in_c(src, [8, 0, 3], dst, [1, 3, 0])
+    copy(src, [8, 0, 3], dst, [1, 3, 0])
+    _assert_same(dst, expected)
 
 
 def test_bad_plans_are_clear_errors() -> None:
