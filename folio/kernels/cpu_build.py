@@ -16,6 +16,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from folio.kernels.isa import IsaTier, compile_flags, cpu_info, detect_tier, is_x86_64
@@ -102,8 +103,6 @@ def build_every_tier() -> list[IsaTier]:
     returns the tiers whose library loaded. scripts/setup.sh runs it once, so that the processes a server or the
     tests start find every library built instead of compiling the same one at the same time (11 s of gcc for the
     native tier on an AMD EPYC here, 33 s for all four)."""
-    from concurrent.futures import ThreadPoolExecutor
-
     tiers = [tier for tier in IsaTier if tier <= native_tier()]
     with ThreadPoolExecutor(max_workers=len(tiers)) as pool:  # each build is a gcc process: threads suffice
         libraries = list(pool.map(lambda tier: load_kernel_library("cpu_kernels", tier), tiers))
