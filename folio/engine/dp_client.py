@@ -102,14 +102,16 @@ class DPEngineCoreClient:
         if routing not in DATA_PARALLEL_ROUTINGS:
             raise ValueError(f"data_parallel_routing must be one of {DATA_PARALLEL_ROUTINGS}, got {routing!r}")
         self.routing = routing
-        if num_cpu_threads is None:
+        if num_cpu_threads is None and data_parallel_size > 1:
+            # Only N > 1 cores divide the threads; one core keeps torch's default, and the API server process
+            # does not import torch (about 1 s of CPU per server start) just to read it.
             import torch
 
             num_cpu_threads = torch.get_num_threads()
         self.config = config
         self.engines: list[EngineCoreClient] = []
         gpus = _visible_gpus() if data_parallel_size > 1 and _device_type(config) == "cuda" else []
-        plans = plan_engines(config, data_parallel_size, num_cpu_threads, gpus)
+        plans = plan_engines(config, data_parallel_size, num_cpu_threads or 1, gpus)
         try:
             for index, (engine_config, placement) in enumerate(plans):
                 name = f"-{index}" if data_parallel_size > 1 else ""

@@ -28,6 +28,7 @@ DEFAULT_ALIGNMENT = 32
 # GGUF value type id -> struct format of a scalar of that type (8 = string, 9 = array are handled apart).
 _SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _STRING_TYPE = 8
+_U64 = struct.Struct("<Q")
 _ARRAY_TYPE = 9
 
 
@@ -93,9 +94,15 @@ class _Cursor:
 
     def skip_array(self, elem_type: int, length: int) -> None:
         if elem_type == _STRING_TYPE:
+            # One tight loop over the lengths (49k strings twice for SmolLM2's tokenizer): every engine, server
+            # and test process opens the header, several times.
+            buffer, offset, end = self.buffer, self.offset, len(self.buffer)
+            read_length = _U64.unpack_from
             for _ in range(length):
-                string_length = self.read_uint("<Q")  # advances past the length field first
-                self.offset += string_length
+                if offset + 8 > end:
+                    raise ValueError(f"{self.path}: GGUF file is truncated or corrupt (array runs past the end)")
+                offset += 8 + read_length(buffer, offset)[0]
+            self.offset = offset
         elif elem_type in _SCALAR_FORMATS:
             self.offset += struct.calcsize(_SCALAR_FORMATS[elem_type]) * length
         else:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -58,6 +59,15 @@ def test_greedy_chat_equals_llm_chat(client: Any, llm: LLM) -> None:
     assert chat.choices[0].message.content == expected.text
     assert chat.choices[0].message.role == "assistant"
     assert chat.usage.completion_tokens == len(expected.token_ids)
+
+
+def test_the_api_server_process_never_loads_torch(client: Any, server: ServerProcess) -> None:
+    """The API server process tokenizes and serves HTTP; only the engine core needs torch, whose import costs every
+    server start about 1.5 s of CPU. (The one-core path once imported it just to read torch's thread count.)"""
+    completion = client.completions.create(model=MODEL_NAME, prompt="Hello", max_tokens=2, temperature=0)
+    assert completion.usage.completion_tokens == 2
+    maps = Path(f"/proc/{server.process.pid}/maps").read_text()
+    assert "libtorch" not in maps, "the API server process loaded torch"
 
 
 def test_usage_equals_token_counts(client: Any, server: ServerProcess) -> None:
