@@ -55,7 +55,8 @@ def _dequantize_q4(data: torch.Tensor, has_min: bool) -> torch.Tensor:
     d = blocks[:, 0:2].contiguous().view(torch.float16).float()  # [n_blocks, 1]
     packed = blocks[:, header:]  # [n_blocks, 16]
     q = torch.cat([packed & 0x0F, packed >> 4], dim=1)  # [n_blocks, 32]: low nibbles then high nibbles
+    # In place after the widening: one [n_blocks, 32] float32 tensor instead of three (the same two roundings).
     if not has_min:
-        return (q.to(torch.int8) - 8).float() * d
+        return (q.to(torch.int8) - 8).float().mul_(d)
     m = blocks[:, 2:4].contiguous().view(torch.float16).float()
-    return q.float() * d + m
+    return q.float().mul_(d).add_(m)
