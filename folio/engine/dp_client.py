@@ -104,7 +104,7 @@ class DPEngineCoreClient:
         self.routing = routing
         if num_cpu_threads is None and data_parallel_size > 1:
             # Only N > 1 cores divide the threads; one core keeps torch's default, and the API server process
-            # does not import torch (about 1 s of CPU per server start) just to read it.
+            # does not import torch (about 1.5 s of CPU per server start) just to read it.
             import torch
 
             num_cpu_threads = torch.get_num_threads()

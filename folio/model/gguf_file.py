@@ -28,8 +28,8 @@ DEFAULT_ALIGNMENT = 32
 # GGUF value type id -> struct format of a scalar of that type (8 = string, 9 = array are handled apart).
 _SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _STRING_TYPE = 8
-_U64 = struct.Struct("<Q")
 _ARRAY_TYPE = 9
+_U64 = struct.Struct("<Q")  # a string's length
 
 
 @dataclass(frozen=True)
