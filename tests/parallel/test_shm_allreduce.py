@@ -10,10 +10,12 @@ from __future__ import annotations
 import multiprocessing
 import os
 import pickle
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
 
+import psutil
 import pytest
 import torch
 
@@ -68,6 +70,8 @@ def _rank_main(rank: int, world_size: int, port: int, ending: str, conn: Any) ->
         if ending == "stall" and last:
             conn.recv()  # blocks until the parent has the others' errors
             os._exit(0)
+        if ending == "exit":
+            conn.recv()  # the parent's go: the last rank has exited (a zombie, not yet reaped)
         comm.timeout_s = 0.5
         try:
             comm.all_reduce(torch.ones(4))
@@ -103,6 +107,10 @@ def _run_ranks(world_size: int, ending: str) -> tuple[list[dict[str, Any]], list
         # while every rank still runs: the segment's name is gone, only the ranks' mappings hold it
         rank0 = f"folio_tp_{procs[0].pid}_"
         assert not [name for name in os.listdir("/dev/shm") if name.startswith(rank0)]
+        if ending == "exit":  # the others' last round starts once the last rank is gone, however slow its exit
+            _wait_until_zombie(procs[-1].pid)
+            for r in range(world_size - 1):
+                pipes[r][0].send("go")
         endings = [_receive(pipes[r][0]) for r in range(world_size - 1)]
         pipes[-1][0].send("go")  # the stalled rank may exit now (the exited one is gone)
         return [payload for _, payload in results], endings, [proc.pid for proc in procs]  # type: ignore[misc]
@@ -111,6 +119,14 @@ def _run_ranks(world_size: int, ending: str) -> tuple[list[dict[str, Any]], list
             proc.join(HANG_GUARD_S)
             if proc.is_alive():
                 proc.kill()
+
+
+def _wait_until_zombie(pid: int) -> None:
+    """Until the child ``pid`` has exited and is not reaped yet (its rank's liveness check must see it dead)."""
+    deadline = time.monotonic() + HANG_GUARD_S  # hang guard only
+    while psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+        assert time.monotonic() < deadline, f"rank process {pid} did not exit"
+        time.sleep(0.01)
 
 
 def _receive(conn: Any) -> Any:
