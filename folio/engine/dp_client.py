@@ -51,13 +51,19 @@ def check_data_parallel(config: EngineConfig, data_parallel_size: int) -> None:
 
 
 def plan_engines(
-    config: EngineConfig, data_parallel_size: int, num_cpu_threads: int, gpus: list[str]
+    config: EngineConfig, data_parallel_size: int, num_cpu_threads: int | None, gpus: list[str]
 ) -> list[tuple[EngineConfig, CorePlacement | None]]:
     """Each core's config and placement (None for the one core of N = 1: it runs as it always did). ``gpus``: the
-    ids of the GPUs the cores may use (CUDA), in order.
+    ids of the GPUs the cores may use (CUDA), in order; ``num_cpu_threads`` None: torch's thread count, read only
+    where N > 1 cores divide it (one core never imports torch here: the API server process would pay about 1.5 s
+    of CPU at every start).
     Example: dp 2, tp 2, gpus ["0", "1", "2", "3"] -> core 0 sees "0,1", core 1 "2,3" (rank r uses the r-th)."""
     if data_parallel_size == 1:
         return [(config, None)]
+    if num_cpu_threads is None:
+        import torch
+
+        num_cpu_threads = torch.get_num_threads()
     tp = config.parallel_config.world_size
     cuda = _device_type(config) == "cuda"
     threads = max(1, num_cpu_threads // data_parallel_size)
@@ -102,16 +108,10 @@ class DPEngineCoreClient:
         if routing not in DATA_PARALLEL_ROUTINGS:
             raise ValueError(f"data_parallel_routing must be one of {DATA_PARALLEL_ROUTINGS}, got {routing!r}")
         self.routing = routing
-        if num_cpu_threads is None and data_parallel_size > 1:
-            # Only N > 1 cores divide the threads; one core keeps torch's default, and the API server process
-            # does not import torch (about 1.5 s of CPU per server start) just to read it.
-            import torch
-
-            num_cpu_threads = torch.get_num_threads()
         self.config = config
         self.engines: list[EngineCoreClient] = []
         gpus = _visible_gpus() if data_parallel_size > 1 and _device_type(config) == "cuda" else []
-        plans = plan_engines(config, data_parallel_size, num_cpu_threads or 1, gpus)
+        plans = plan_engines(config, data_parallel_size, num_cpu_threads, gpus)
         try:
             for index, (engine_config, placement) in enumerate(plans):
                 name = f"-{index}" if data_parallel_size > 1 else ""

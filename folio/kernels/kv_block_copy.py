@@ -93,7 +93,7 @@ class CpuBlockCopy:
             for cache in caches:
                 if cache.device.type != "cpu" or cache.dtype != first.dtype or cache.shape != shape:
                     return False
-                if not cache.is_contiguous():
+                if not cache.is_contiguous():  # a block's K (or V) is then one run of stride(1) elements
                     return False
         if len(set(dst)) != len(dst):
             return False  # which source a repeated destination keeps is ATen's to decide
