@@ -45,6 +45,12 @@ class SchedulerConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
 
 
+# The K/V cache's element types (vLLM's --kv-cache-dtype): "auto" is the model's dtype; "bfloat16" under a float32
+# model halves the bytes a decode step reads from the cache and doubles the tokens a KV budget holds (the CPU's fused
+# decoder has the pair; the other paths cast).
+KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "bfloat16")
+
+
 @dataclass
 class CacheConfig:
     block_size: int = 16
@@ -61,10 +67,13 @@ class CacheConfig:
     kv_offloading_disk_size: float = 0.0
     num_disk_blocks: int = 0
     disk_block_hashes: list[int] = field(default_factory=list)
+    cache_dtype: str = "auto"  # the K/V cache's element type (vLLM's kv_cache_dtype): KV_CACHE_DTYPES
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.cache_dtype!r}")
         if not self.kv_offloading_size >= 0:  # NaN fails too
             raise ValueError(f"kv_offloading_size must be >= 0 (GiB), got {self.kv_offloading_size}")
         self._check_disk_tier()
@@ -250,6 +259,7 @@ class EngineArgs:
     kv_offloading_size: float = 0.0  # GiB of host memory for the host KV tier (vLLM's name); 0: off
     kv_offloading_disk_path: str | None = None  # a directory for a disk tier under the host tier; None: off
     kv_offloading_disk_size: float = 0.0  # GiB of files in it
+    kv_cache_dtype: str = "auto"  # "auto": the model's dtype; "bfloat16": half the bytes of a float32 model's cache
     preemption_mode: str | None = None  # "swap" or "recompute"; None: swap when a host tier exists
     device: str = "auto"
     model_impl: str = "auto"  # "noop": engine-overhead benchmarks only (constant logits, no weights loaded)
@@ -278,6 +288,10 @@ class EngineArgs:
             raise ValueError("speculative_config.method 'draft_model' with kv_offloading_size is not implemented yet")
         if self.model_impl == "noop":
             raise ValueError("speculative_config.method 'draft_model' needs a real target model, not model_impl noop")
+        if self.kv_cache_dtype != "auto":
+            raise ValueError(
+                "speculative_config.method 'draft_model' with kv_cache_dtype other than 'auto' is not implemented yet"
+            )
 
     def _check_pipeline_combinations(self, speculative: bool) -> None:
         """What pipeline parallelism does not run yet: drafts (the stages before the last never see the verdict),
@@ -354,6 +368,7 @@ class EngineArgs:
                 kv_offloading_size=self.kv_offloading_size,
                 kv_offloading_disk_path=self.kv_offloading_disk_path,
                 kv_offloading_disk_size=self.kv_offloading_disk_size,
+                cache_dtype=self.kv_cache_dtype,
             ),
             scheduler_config=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,

@@ -10,6 +10,7 @@ from dataclasses import fields
 from folio.config import (
     CPU_ALLREDUCE_CHOICES,
     DISTRIBUTED_EXECUTOR_BACKENDS,
+    KV_CACHE_DTYPES,
     MODEL_IMPLS,
     PREEMPTION_MODES,
     SCHEDULING_POLICIES,
@@ -70,6 +71,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="GiB of host memory for a second KV tier under the device's KV cache: evicted prefix blocks and "
         "swapped-out requests move there instead of being recomputed (pinned memory on CUDA; must fit the RAM "
         "available; default 0: no host tier)",
+    )
+    g.add_argument(
+        "--kv-cache-dtype",
+        default=d.kv_cache_dtype,
+        choices=KV_CACHE_DTYPES,
+        help="element type of the KV cache: auto (the model's dtype) or bfloat16 (under a float32 model: half the "
+        "bytes a decode step reads and twice the tokens in the same KV memory; CPU only for now)",
     )
     g.add_argument(
         "--kv-offloading-disk-path",

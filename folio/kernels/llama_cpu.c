@@ -111,15 +111,56 @@ static int64_t *next_layer_kv_offsets(const DecodeRows *d, const int32_t *block_
 #define ELEM_T float
 #define SUFFIX f32
 #define IS_BF16 0
+#define CACHE_T float
+#define CACHE_SUFFIX f32
+#define FORWARD_SUFFIX f32
+#include "llama_cpu_impl.h"
+#undef CACHE_T
+#undef CACHE_SUFFIX
+#undef FORWARD_SUFFIX
+
+/* Float32 activations and weights over a bfloat16 K/V cache (kv_cache_dtype="bfloat16"): half the bytes a decode
+ * step's attention reads, and twice the tokens in a KV budget. Each row's k and v are rounded to bfloat16 (nearest
+ * even, as torch's .to(torch.bfloat16), so the unfused path's cache holds the same values) as they are written; the
+ * attention bodies read a float32 query against the bfloat16 cache. */
+static void rope_and_cache_body_f32_kvbf16(float *qkv, int64_t qkv_stride, const float *cos, const float *sin,
+                                           void *key_cache, void *value_cache, const int64_t *slots,
+                                           const KVLayout *kv, int64_t num_rows, int64_t num_heads,
+                                           int64_t num_kv_heads, int64_t head_dim) {
+#pragma omp for
+    for (int64_t t = 0; t < num_rows; ++t) {
+        float *q = qkv + t * qkv_stride, *k = q + num_heads * head_dim, *v = k + num_kv_heads * head_dim;
+        rotary_row_f32(q, cos + t * head_dim, sin + t * head_dim, num_heads + num_kv_heads, head_dim);
+        if (slots[t] < 0) continue; /* padding */
+        const int64_t base = (slots[t] / kv->block_size) * kv->block_stride + (slots[t] % kv->block_size) * kv->pos_stride;
+        for (int64_t h = 0; h < num_kv_heads; ++h) {
+            store_from_f32(key_cache, 1, base + h * kv->head_stride, head_dim, k + h * head_dim);
+            store_from_f32(value_cache, 1, base + h * kv->head_stride, head_dim, v + h * head_dim);
+        }
+    }
+}
+
+#define CACHE_T uint16_t
+#define CACHE_SUFFIX bf16
+#define FORWARD_SUFFIX f32_kvbf16
 #include "llama_cpu_impl.h"
 #undef ELEM_T
 #undef SUFFIX
 #undef IS_BF16
+#undef CACHE_T
+#undef CACHE_SUFFIX
+#undef FORWARD_SUFFIX
 
 #define ELEM_T uint16_t
 #define SUFFIX bf16
 #define IS_BF16 1
+#define CACHE_T uint16_t
+#define CACHE_SUFFIX bf16
+#define FORWARD_SUFFIX bf16
 #include "llama_cpu_impl.h"
 #undef ELEM_T
 #undef SUFFIX
 #undef IS_BF16
+#undef CACHE_T
+#undef CACHE_SUFFIX
+#undef FORWARD_SUFFIX

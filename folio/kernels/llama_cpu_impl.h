@@ -1,7 +1,9 @@
-/* The fused decoder for one element type (activations, weights and K/V cache alike), included once per type by
- * llama_cpu.c with ELEM_T, SUFFIX (f32, bf16) and IS_BF16. Returns 0, -1 if a buffer could not be allocated, -2 if
- * the tensor-parallel all-reduce failed (the layers after it not run). */
-int CAT(folio_llama_forward_, SUFFIX)(const LlamaModelParams *m, const LlamaStep *s) {
+/* The fused decoder for one element type of activations and weights (ELEM_T, SUFFIX: f32, bf16; IS_BF16) and one
+ * of the K/V cache (CACHE_T, CACHE_SUFFIX: the same, or bf16 under float32 activations), included once per pair by
+ * llama_cpu.c, which names the entry point folio_llama_forward_<FORWARD_SUFFIX> and the rotary + cache write
+ * rope_and_cache_body_<FORWARD_SUFFIX>. Returns 0, -1 if a buffer could not be allocated, -2 if the
+ * tensor-parallel all-reduce failed (the layers after it not run). */
+int CAT(folio_llama_forward_, FORWARD_SUFFIX)(const LlamaModelParams *m, const LlamaStep *s) {
     const int64_t T = s->num_tokens, H = m->hidden, D = m->head_dim, inter = m->intermediate;
     const int64_t q_size = m->num_heads * D, qkv_size = q_size + 2 * m->num_kv_heads * D;
     ELEM_T *hidden = s->hidden, *out = s->out, *qkv = s->qkv, *attn_out = s->attn_out, *proj = s->proj;
@@ -14,7 +16,7 @@ int CAT(folio_llama_forward_, SUFFIX)(const LlamaModelParams *m, const LlamaStep
     const int64_t per_thread = attn_scratch_floats(m->num_heads, m->num_kv_heads, D, max_ctx);
     float *arena = attn_arena(per_thread, s->num_threads);
     int64_t num_offsets = 0;
-    int64_t *kv_offsets = next_layer_kv_offsets(&decode, s->block_table, s->bt_stride, &kv, (int64_t)sizeof(ELEM_T),
+    int64_t *kv_offsets = next_layer_kv_offsets(&decode, s->block_table, s->bt_stride, &kv, (int64_t)sizeof(CACHE_T),
                                                 m->kv_prefetch_bytes, T, &num_offsets);
     if (arena == NULL || prefill_plan_tiles(&prefill) != 0 || (num_offsets > 0 && kv_offsets == NULL)) {
         free(arena);
@@ -32,7 +34,7 @@ int CAT(folio_llama_forward_, SUFFIX)(const LlamaModelParams *m, const LlamaStep
         /* this thread's share of the offsets ends at .count; idle (.index = .count) until a layer starts it */
         SidePrefetch side = {.offsets = kv_offsets, .count = num_offsets * (tid + 1) / nt,
                              .index = num_offsets * (tid + 1) / nt,
-                             .block_lines = kv.block_stride * (int64_t)sizeof(ELEM_T) / 64,
+                             .block_lines = kv.block_stride * (int64_t)sizeof(CACHE_T) / 64,
                              .every_mask = KV_PREFETCH_EVERY_MASK};
         double *timing = tid == 0 ? s->phase_seconds : NULL;
         double last = timing != NULL ? omp_get_wtime() : 0.0;
@@ -58,15 +60,15 @@ int CAT(folio_llama_forward_, SUFFIX)(const LlamaModelParams *m, const LlamaStep
             PHASE_DONE(PHASE_NORM)
             CAT(gemm_body_, SUFFIX)(out, H, p->qkv, p->qkv_bias, qkv, IS_BF16, qkv_size, T, qkv_size, H, &side);
             PHASE_DONE(PHASE_QKV)
-            CAT(rope_and_cache_body_, SUFFIX)(qkv, qkv_size, s->cos, s->sin, p->k_cache, p->v_cache, s->slots, &kv, T,
-                                              m->num_heads, m->num_kv_heads, D);
+            CAT(rope_and_cache_body_, FORWARD_SUFFIX)(qkv, qkv_size, s->cos, s->sin, p->k_cache, p->v_cache, s->slots, &kv,
+                                                      T, m->num_heads, m->num_kv_heads, D);
             PHASE_DONE(PHASE_ROPE_CACHE)
             const PagedArgs attn = {qkv, qkv_size, IS_BF16, attn_out, IS_BF16, p->k_cache, p->v_cache,
                                     m->block_stride, m->head_stride, m->pos_stride, m->block_size, s->block_table,
                                     s->bt_stride, m->num_heads, m->num_kv_heads, D, m->scale};
-            if (decode.num_rows > 0) CAT(decode_body_, SUFFIX)(&attn, &decode, &scratch);
+            if (decode.num_rows > 0) CAT(decode_body_, CACHE_SUFFIX)(&attn, &decode, &scratch);
             PHASE_DONE(PHASE_DECODE_ATTN)
-            if (prefill.num_tiles > 0) CAT(prefill_body_, SUFFIX)(&attn, &prefill, &scratch);
+            if (prefill.num_tiles > 0) CAT(prefill_body_, CACHE_SUFFIX)(&attn, &prefill, &scratch);
             PHASE_DONE(PHASE_PREFILL_ATTN)
             /* from here on (this layer's o, gate|up, down and the next one's q|k|v) the GEMMs prefetch the next
              * layer's K/V blocks, this thread's share of them; nothing after the last layer */

@@ -26,6 +26,13 @@ if TYPE_CHECKING:
 
 _i64, _f32, _ptr, _int = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int
 _SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
+# The entry points by (the model's dtype, the K/V cache's): each dtype over a cache of its own, and float32 over a
+# bfloat16 cache (kv_cache_dtype="bfloat16"), whose writes round K/V to bfloat16 as the layer-by-layer path does.
+_ENTRY_POINTS = {
+    (torch.float32, torch.float32): "folio_llama_forward_f32",
+    (torch.bfloat16, torch.bfloat16): "folio_llama_forward_bf16",
+    (torch.float32, torch.bfloat16): "folio_llama_forward_f32_kvbf16",
+}
 # The phases llama_cpu.c times (its enum, in order) when phase timing is on.
 PHASES = (
     "rms_norm",
@@ -133,9 +140,10 @@ class FusedCpuDecoder:
     Under tensor parallelism the C side calls back here after each row-parallel projection, to sum the step's
     ``proj`` buffer over the ranks with the group's all-reduce (the shared-memory one on the CPU)."""
 
-    def __init__(self, model: LlamaModel, backend: CpuPagedBackend, fn: Any, kv_prefetch_bytes: int | None) -> None:
+    def __init__(self, model: LlamaModel, backend: CpuPagedBackend, lib: Any, kv_prefetch_bytes: int | None) -> None:
         self._backend = backend
-        self._fn = fn
+        self._lib = lib
+        self._fn: Any = None  # the entry point for the model's and the cache's dtypes, chosen when caches are bound
         self._keep: list[torch.Tensor] = []  # float32 bias copies the C side points at
         layers: list[Any] = list(model.layers)
         first = layers[0]
@@ -221,16 +229,20 @@ class FusedCpuDecoder:
         linears += [m for layer in model.layers for m in (layer.mlp.gate_up_proj, layer.mlp.down_proj)]
         if not all(isinstance(m.packed_weight, PackedWeight) for m in linears):
             return None
-        fn = getattr(kernels.lib, f"folio_llama_forward_{_SUFFIXES[dtype]}")
-        fn.argtypes = [ctypes.POINTER(_ModelParams), ctypes.POINTER(_Step)]
-        fn.restype = ctypes.c_int
-        return cls(model, backend, fn, kv_prefetch_bytes)
+        return cls(model, backend, kernels.lib, kv_prefetch_bytes)
 
     def _bind_caches(self, kv_caches: list[torch.Tensor]) -> None:
         """Points every layer at its cache; the caches live as long as the engine, so this runs once."""
+        cache_dtype = kv_caches[0].dtype
+        name = _ENTRY_POINTS.get((self._dtype, cache_dtype))
+        if name is None or any(cache.dtype != cache_dtype for cache in kv_caches):
+            raise ValueError(
+                f"fused CPU decoder: no entry point for a {self._dtype} model over a {cache_dtype} K/V cache"
+            )
+        self._fn = getattr(self._lib, name)
+        self._fn.argtypes = [ctypes.POINTER(_ModelParams), ctypes.POINTER(_Step)]
+        self._fn.restype = ctypes.c_int
         for params, cache in zip(self._layers, kv_caches, strict=True):
-            if cache.dtype != self._dtype:
-                raise ValueError(f"fused CPU decoder: K/V cache is {cache.dtype}, the model {self._dtype}")
             params.k_cache, params.v_cache = cache[0].data_ptr(), cache[1].data_ptr()
         first = kv_caches[0]  # [2, num_blocks, block_size, num_kv_heads, head_dim], maybe a head-major view
         self._params.block_size = first.shape[2]

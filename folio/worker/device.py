@@ -21,3 +21,17 @@ def resolve_dtype(name: str, checkpoint_dtype: str, device: torch.device) -> tor
     if device.type == "cpu":
         return torch.float32
     return _DTYPES.get(checkpoint_dtype, torch.bfloat16) if checkpoint_dtype != "float32" else torch.bfloat16
+
+
+def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The K/V cache's element type for kv_cache_dtype ``name``: the model's ("auto", or the same type), else the
+    named one. A float32 model over a bfloat16 cache runs on the CPU only for now: the CUDA path (Triton kernels,
+    graphs) has not been checked with it, so it is refused there rather than guessed."""
+    if name == "auto" or _DTYPES[name] == model_dtype:
+        return model_dtype
+    if device.type != "cpu":
+        raise ValueError(
+            f"kv_cache_dtype {name!r} under a {str(model_dtype).removeprefix('torch.')} model runs on the CPU only "
+            f"for now, not on {device.type}: use kv_cache_dtype 'auto'"
+        )
+    return _DTYPES[name]

@@ -20,7 +20,7 @@ from folio.parallel.pipeline_parallel import PipelineStage, apply_pipeline_paral
 from folio.parallel.tensor_parallel import ShardPlan, apply_tensor_parallel
 from folio.spec_decode.ngram_proposer import NgramProposer
 from folio.worker.cpu_threads import CpuThreadGovernor
-from folio.worker.device import resolve_device, resolve_dtype
+from folio.worker.device import resolve_device, resolve_dtype, resolve_kv_cache_dtype
 from folio.worker.draft_runner import DraftModelRunner, load_draft_model
 from folio.worker.kv_cache_shape import KVCacheShape, default_cpu_kv_bytes
 from folio.worker.kv_connector import RemoteKVLoader, WorkerKVConnector, kv_layout_fingerprint
@@ -116,7 +116,7 @@ class Worker:
             block_size=self.config.cache_config.block_size,
             num_kv_heads=self._kv_heads_held(model, spec),
             head_dim=spec.head_dim,
-            dtype=self.dtype,
+            dtype=self.kv_dtype,
             head_major=isinstance(model, LlamaForCausalLM) and model.attn_backend.kv_cache_head_major,
         )
 
@@ -250,6 +250,7 @@ class Worker:
 
         spec = read_model_spec(self.config.model_config.model)
         self.dtype = resolve_dtype(self.config.model_config.dtype, spec.checkpoint_dtype, self.device)
+        self.kv_dtype = resolve_kv_cache_dtype(self.config.cache_config.cache_dtype, self.dtype, self.device)
         if self.config.model_config.model_impl == "noop":
             logger.info("No-op model with the shapes of %s (engine-overhead benchmarks only)", spec.architecture)
             return NoopCausalLM(spec, self.dtype, self.device), spec
@@ -351,7 +352,10 @@ class Worker:
         max_len = self.config.scheduler_config.max_model_len
         num_tokens = num_blocks * block_size
         gib = num_blocks * self.bytes_per_block / 2**30
-        logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB)", num_blocks, block_size, num_tokens, gib)
+        dtype = str(self.kv_dtype).removeprefix("torch.")
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB, %s)", num_blocks, block_size, num_tokens, gib, dtype
+        )
         logger.info("Maximum concurrency for %d tokens per request: %.2fx", max_len, num_tokens / max_len)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

@@ -281,6 +281,7 @@ class KernelCase:
     heads: tuple[int, int]  # (query heads, KV heads)
     head_dim: int
     bf16: bool = False  # bfloat16 queries and cache (the oracle runs in float32 on the same rounded values)
+    kv_bf16: bool = False  # float32 queries over a bfloat16 cache (kv_cache_dtype="bfloat16" under a float32 model)
     head_major: bool = False  # the cache layout the worker allocates for the kernel
     fused_qkv: bool = False  # q/k/v as strided views of one buffer, as the model passes them
     query_gain: float = 1.0  # 100: scores of hundreds, so the softmax saturates (one weight near 1, most 0)
@@ -315,6 +316,19 @@ def _kernel_cases() -> dict[str, KernelCase]:
         cases[f"saturated_softmax_{kind}"] = KernelCase(**_MIXED, block_size=16, heads=(9, 3), head_dim=64,
                                                         bf16=bf16, query_gain=100.0)  # fmt: skip
     cases["single_positions"] = KernelCase((1, 1, 0, 1), (1, 1, 1, 2), 16, (9, 3), 64)
+    # float32 queries, keys and values over a bfloat16 cache: the step's K/V rounded as they are written
+    for group in (1, 3, 8):
+        cases[f"gqa{group}_f32_over_bf16_cache"] = KernelCase(**_MIXED, block_size=16, heads=(2 * group, 2),
+                                                              head_dim=64, kv_bf16=True, head_major=group == 3,
+                                                              fused_qkv=group == 8)  # fmt: skip
+    cases["block5_tails_f32_over_bf16_cache"] = KernelCase(
+        (1, 1, 1, 1, 1, 1, 7, 3), (2, 7, 8, 9, 16, 17, 33, 63), 5, (9, 3), 64, kv_bf16=True, head_major=True
+    )
+    cases["long_prefills_f32_over_bf16_cache"] = KernelCase(
+        (150, 40, 17, 1), (150, 140, 33, 90), 16, (9, 3), 64, kv_bf16=True, head_major=True, fused_qkv=True
+    )
+    cases["saturated_softmax_f32_over_bf16_cache"] = KernelCase(**_MIXED, block_size=16, heads=(9, 3), head_dim=64,
+                                                               kv_bf16=True, query_gain=100.0)  # fmt: skip
     return cases
 
 
@@ -339,6 +353,7 @@ def _oracle(case: KernelCase) -> _Expected:
     num_heads, num_kv_heads = case.heads
     gen = torch.Generator().manual_seed(len(case.seq_lens) * 1000 + case.head_dim + num_heads)
     dtype = torch.bfloat16 if case.bf16 else torch.float32
+    cache_dtype = torch.bfloat16 if case.bf16 or case.kv_bf16 else torch.float32
     num_blocks = sum(-(-s // case.block_size) for s in case.seq_lens) + 2
     pool = list(range(num_blocks))
     random.Random(num_heads).shuffle(pool)  # non-contiguous block tables
@@ -348,13 +363,15 @@ def _oracle(case: KernelCase) -> _Expected:
         tables.append(pool[:n])
         pool = pool[n:]
     shape = (num_blocks, case.block_size, num_kv_heads, case.head_dim)
-    kv_cache = torch.randn(2, *shape, generator=gen).to(dtype)
+    kv_cache = torch.randn(2, *shape, generator=gen).to(cache_dtype)
     num_tokens = sum(case.query_lens)
     query = (torch.randn(num_tokens, num_heads, case.head_dim, generator=gen) * case.query_gain).to(dtype)
     key, value = (torch.randn(num_tokens, num_kv_heads, case.head_dim, generator=gen).to(dtype) for _ in range(2))
     attn = build_attn_metadata(list(case.query_lens), list(case.seq_lens), tables, case.block_size)
     cache_after = kv_cache.float()
-    args = (query.float(), key.float(), value.float(), cache_after, attn, case.head_dim**-0.5)
+    # the cache holds the step's K/V as its type rounds them; attention reads them from there
+    stored_key, stored_value = (t.to(cache_dtype).float() for t in (key, value))
+    args = (query.float(), stored_key, stored_value, cache_after, attn, case.head_dim**-0.5)
     out = TorchReferenceBackend().forward(*args)
     return _Expected(query, key, value, kv_cache, tables, out, cache_after)
 
@@ -377,6 +394,8 @@ def test_kernel_on_every_tier(cpu_tier: IsaTier, case: KernelCase) -> None:
     assert out.dtype == query.dtype
     # bf16: the output's final rounding, and on avx512_bf16 the softmax weights rounded to bf16 before they
     # multiply V; a saturated softmax: float32 rounding of scores in the hundreds moves the weights of near-ties
-    tolerance = 1e-2 if case.bf16 else 1e-3 if case.query_gain > 1 else 1e-5
+    # (a bfloat16 cache under float32 queries: the decode body's V pass rounds the weights to bf16 on avx512_bf16)
+    rounded_weights = case.bf16 or (case.kv_bf16 and cpu_tier >= IsaTier.AVX512_BF16)
+    tolerance = 1e-2 if rounded_weights else 1e-3 if case.query_gain > 1 else 1e-5
     torch.testing.assert_close(out.float(), expected.out, rtol=tolerance, atol=tolerance)
     torch.testing.assert_close(cache.float(), expected.cache_after, rtol=0, atol=0)

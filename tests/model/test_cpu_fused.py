@@ -18,9 +18,16 @@ from folio.worker.kv_cache_shape import KVCacheShape
 BLOCK_SIZE = 16
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_decoder_equals_layer_by_layer(default_model_path: str, cpu_tier: IsaTier, dtype: torch.dtype) -> None:
-    """On each tier whose plan has the fused decoder; on the others the model must run layer by layer."""
+# (the model's dtype, the K/V cache's): each over a cache of its own, and float32 over bfloat16 (kv_cache_dtype)
+DTYPE_PAIRS = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16)]
+
+
+@pytest.mark.parametrize(("dtype", "cache_dtype"), DTYPE_PAIRS, ids=["float32", "bfloat16", "float32_over_bf16_cache"])
+def test_fused_decoder_equals_layer_by_layer(
+    default_model_path: str, cpu_tier: IsaTier, dtype: torch.dtype, cache_dtype: torch.dtype
+) -> None:
+    """On each tier whose plan has the fused decoder; on the others the model must run layer by layer. Over a
+    bfloat16 cache both round the step's K/V to bfloat16 as they write them."""
     cpu = torch.device("cpu")
     kernels = load_cpu_kernels(cpu_tier, dtype)
     fused, spec = load_model(default_model_path, dtype, cpu, show_progress=False, cpu_kernels=kernels)
@@ -29,7 +36,7 @@ def test_fused_decoder_equals_layer_by_layer(default_model_path: str, cpu_tier: 
         pytest.skip(f"{cpu_tier.flag_name} {dtype}: the plan runs {kernels.plan.describe()}")
     eager, _ = load_model(default_model_path, dtype, cpu, show_progress=False, enforce_eager=True, cpu_kernels=kernels)
     assert fused.model.fused_cpu is not None and eager.model.fused_cpu is None
-    shape = KVCacheShape(spec.num_hidden_layers, BLOCK_SIZE, spec.num_key_value_heads, spec.head_dim, dtype, True)
+    shape = KVCacheShape(spec.num_hidden_layers, BLOCK_SIZE, spec.num_key_value_heads, spec.head_dim, cache_dtype, True)
     caches = {"fused": shape.allocate(40, cpu), "eager": shape.allocate(40, cpu)}
     # request -> its blocks (not contiguous, not in order)
     tables = [[3, 9, 1, 12, 30], [0, 7, 22, 5, 14, 2, 31], [4, 17], [8, 6, 11, 25]]
@@ -52,7 +59,8 @@ def test_fused_decoder_equals_layer_by_layer(default_model_path: str, cpu_tier: 
         assert out_fused.dtype == dtype and out_fused.shape == (sum(q_lens), spec.hidden_size)
         assert torch.equal(out_fused, out_eager)
         for cache_fused, cache_eager in zip(caches["fused"], caches["eager"], strict=True):
-            assert torch.equal(cache_fused, cache_eager)
+            assert cache_fused.dtype == cache_dtype and torch.equal(cache_fused, cache_eager)
+    assert all(cache.any() for cache in caches["fused"])  # every layer wrote its K/V
 
 
 class _CountingGroup:
