@@ -288,10 +288,6 @@ class EngineArgs:
             raise ValueError("speculative_config.method 'draft_model' with kv_offloading_size is not implemented yet")
         if self.model_impl == "noop":
             raise ValueError("speculative_config.method 'draft_model' needs a real target model, not model_impl noop")
-        if self.kv_cache_dtype != "auto":
-            raise ValueError(
-                "speculative_config.method 'draft_model' with kv_cache_dtype other than 'auto' is not implemented yet"
-            )
 
     def _check_pipeline_combinations(self, speculative: bool) -> None:
         """What pipeline parallelism does not run yet: drafts (the stages before the last never see the verdict),

@@ -1,7 +1,7 @@
 """kv_cache_dtype="bfloat16" under a float32 model (vLLM's --kv-cache-dtype): the cache holds K/V rounded to
 bfloat16, twice the blocks fit the same KV memory, and the outputs are held to transformers' float32 runs by the
 top-5 rule, on the fused decoder (this CPU's tier) and on the generic tier's torch ops. The host tier and swaps keep
-the greedy outputs of the same engine without them."""
+the greedy outputs of the same engine without them, and so does a draft model (whose cache takes the same type)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from folio.kernels.isa import IsaTier
 from folio.worker.device import resolve_kv_cache_dtype
 from tests.engine.conftest import TEST_KV_BYTES, assert_no_leaks, greedy_verdicts
 from tests.engine.greedy_compare import GreedyRun
-from tests.engine.test_kv_tiers import GREEDY, SMALL_POOL, _Run
+from tests.engine.test_kv_tiers import GREEDY, PROMPTS, SMALL_POOL, _Run
 
 # float32 K/V of SmolLM2: 30 layers, K and V, 3 KV heads of 64 dims, 16 tokens a block
 FLOAT32_BLOCK_BYTES = 30 * 2 * 3 * 64 * 16 * 4
@@ -87,7 +87,20 @@ def test_a_float32_model_over_a_bfloat16_cache_is_refused_off_the_cpu_and_auto_i
     assert resolve_kv_cache_dtype("bfloat16", torch.float32, torch.device("cpu")) == torch.bfloat16
 
 
-def test_a_separate_draft_model_with_a_bfloat16_cache_is_refused() -> None:
-    spec = {"method": "draft_model", "model": "unused", "num_speculative_tokens": 2}
-    with pytest.raises(ValueError, match=r"'draft_model' with kv_cache_dtype other than 'auto' is not implemented"):
-        LLM(dtype="float32", kv_cache_dtype="bfloat16", speculative_config=spec, kv_cache_memory_bytes=TEST_KV_BYTES)
+def test_a_draft_model_over_bfloat16_caches_gives_the_same_tokens(make_llm_module: Callable[..., LLM]) -> None:
+    """The draft's own cache takes the same type; the model as its own draft then proposes what the target picks:
+    the tokens without speculation, nearly every draft accepted."""
+    from folio import SamplingParams
+    from folio.model.loader import default_model_path
+
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    prompts = [{"prompt_token_ids": ids} for ids in PROMPTS[:2]]
+    common = dict(kv_cache_dtype="bfloat16", kv_cache_memory_bytes=2**27, max_model_len=1024)
+    expected = [o.outputs[0].token_ids for o in make_llm_module(**common).generate(prompts, params, use_tqdm=False)]
+    spec = {"method": "draft_model", "model": default_model_path(), "num_speculative_tokens": 4}
+    llm = make_llm_module(**common, speculative_config=spec)
+    assert llm.llm_engine.executor.worker.draft_kv_shape.dtype == torch.bfloat16
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected
+    stats = llm.llm_engine.scheduler.spec_decoding_stats
+    assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens >= 0.9 * stats.num_draft_tokens, stats
+    assert_no_leaks(llm)
