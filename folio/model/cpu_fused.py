@@ -25,7 +25,6 @@ if TYPE_CHECKING:
     from folio.model.llama import LlamaModel
 
 _i64, _f32, _ptr, _int = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int
-_SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 # The entry points by (the model's dtype, the K/V cache's): each dtype over a cache of its own, and float32 over a
 # bfloat16 cache (kv_cache_dtype="bfloat16"), whose writes round K/V to bfloat16 as the layer-by-layer path does.
 _ENTRY_POINTS = {
@@ -223,7 +222,11 @@ class FusedCpuDecoder:
         dtype = model.norm.weight.dtype
         if kernels.plan.fused_decoder != "folio" or kernels.lib is None or dtype != kernels.dtype:
             return None
-        if not isinstance(backend, CpuPagedBackend) or dtype not in _SUFFIXES or model.norm.weight.device.type != "cpu":
+        if (
+            not isinstance(backend, CpuPagedBackend)
+            or (dtype, dtype) not in _ENTRY_POINTS
+            or model.norm.weight.device.type != "cpu"
+        ):
             return None
         linears = [m for layer in model.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj)]
         linears += [m for layer in model.layers for m in (layer.mlp.gate_up_proj, layer.mlp.down_proj)]

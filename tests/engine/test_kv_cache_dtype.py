@@ -49,11 +49,11 @@ def test_a_bfloat16_cache_under_float32_matches_transformers(
 
 
 def test_swaps_and_host_prefix_hits_keep_greedy_outputs_over_a_bfloat16_cache(
-    make_llm_module: Callable[..., LLM],
+    make_llm: Callable[..., LLM],
 ) -> None:
     """The host tier's blocks are bfloat16 too (half the bytes a block); loads give back exactly what was stored."""
-    plain = _Run(make_llm_module(**SMALL_POOL, kv_cache_dtype="bfloat16"), lambda i: GREEDY)
-    tiered_llm = make_llm_module(**SMALL_POOL, kv_cache_dtype="bfloat16", kv_offloading_size=0.05)
+    plain = _Run(make_llm(**SMALL_POOL, kv_cache_dtype="bfloat16"), lambda i: GREEDY)
+    tiered_llm = make_llm(**SMALL_POOL, kv_cache_dtype="bfloat16", kv_offloading_size=0.05)
     tiered = _Run(tiered_llm, lambda i: GREEDY)
     assert tiered_llm.llm_engine.config.cache_config.num_host_blocks == int(0.05 * 2**30) // (FLOAT32_BLOCK_BYTES // 2)
     stats = tiered.stats
@@ -61,14 +61,6 @@ def test_swaps_and_host_prefix_hits_keep_greedy_outputs_over_a_bfloat16_cache(
     assert 0 < stats.num_swapped_preemptions_total == stats.num_preemptions_total, stats
     assert stats.kv_offload_blocks_to_device_total > 0 and stats.external_prefix_cache_hits > 0, stats
     assert tiered.tokens == plain.tokens
-
-
-@pytest.fixture(scope="module")
-def make_llm_module() -> Callable[..., LLM]:
-    def make(**kwargs: Any) -> LLM:
-        return LLM(dtype="float32", **kwargs)
-
-    return make
 
 
 def test_an_unknown_kv_cache_dtype_is_refused_naming_the_choices() -> None:
@@ -87,7 +79,7 @@ def test_a_float32_model_over_a_bfloat16_cache_is_refused_off_the_cpu_and_auto_i
     assert resolve_kv_cache_dtype("bfloat16", torch.float32, torch.device("cpu")) == torch.bfloat16
 
 
-def test_a_draft_model_over_bfloat16_caches_gives_the_same_tokens(make_llm_module: Callable[..., LLM]) -> None:
+def test_a_draft_model_over_bfloat16_caches_gives_the_same_tokens(make_llm: Callable[..., LLM]) -> None:
     """The draft's own cache takes the same type; the model as its own draft then proposes what the target picks:
     the tokens without speculation, nearly every draft accepted."""
     from folio import SamplingParams
@@ -96,9 +88,9 @@ def test_a_draft_model_over_bfloat16_caches_gives_the_same_tokens(make_llm_modul
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     prompts = [{"prompt_token_ids": ids} for ids in PROMPTS[:2]]
     common = dict(kv_cache_dtype="bfloat16", kv_cache_memory_bytes=2**27, max_model_len=1024)
-    expected = [o.outputs[0].token_ids for o in make_llm_module(**common).generate(prompts, params, use_tqdm=False)]
+    expected = [o.outputs[0].token_ids for o in make_llm(**common).generate(prompts, params, use_tqdm=False)]
     spec = {"method": "draft_model", "model": default_model_path(), "num_speculative_tokens": 4}
-    llm = make_llm_module(**common, speculative_config=spec)
+    llm = make_llm(**common, speculative_config=spec)
     assert llm.llm_engine.executor.worker.draft_kv_shape.dtype == torch.bfloat16
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected
     stats = llm.llm_engine.scheduler.spec_decoding_stats

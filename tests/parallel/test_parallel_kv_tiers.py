@@ -34,7 +34,8 @@ SHAPE = dict(
     num_key_value_heads=3,
     max_position_embeddings=256,
 )
-BLOCK_BYTES = SHAPE["num_hidden_layers"] * 2 * 16 * SHAPE["num_key_value_heads"] * 32 * 4  # float32, head_dim 32
+HEAD_DIM = SHAPE["hidden_size"] // SHAPE["num_attention_heads"]
+BLOCK_BYTES = SHAPE["num_hidden_layers"] * 2 * 16 * SHAPE["num_key_value_heads"] * HEAD_DIM * 4  # float32
 HOST_BLOCKS = 70  # room for every swap and every evicted prefix block
 HOST_GIB = HOST_BLOCKS * BLOCK_BYTES / 2**30
 
