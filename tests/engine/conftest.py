@@ -19,7 +19,7 @@ import torch
 import folio.engine.llm_engine as llm_engine_module
 import folio.worker.worker as worker_module
 from folio import LLM, SamplingParams
-from tests.engine.greedy_compare import GreedyRun, compare_greedy, from_folio_output, hf_greedy
+from tests.engine.greedy_compare import GreedyRun, compare_greedy, from_folio_output, hf_greedy_many
 from tests.engine.prompts import all_prompt_token_ids
 
 HF_REFERENCE_NEW_TOKENS = 32
@@ -82,7 +82,7 @@ def llm() -> LLM:
 @pytest.fixture(scope="package")
 def hf_reference(hf_model: Any, tokenizer: Any) -> list[GreedyRun]:
     """transformers' float32 greedy runs over tests/engine/prompts.py: the reference every engine is held to."""
-    return [hf_greedy(hf_model, ids, HF_REFERENCE_NEW_TOKENS) for ids in all_prompt_token_ids(tokenizer)]
+    return hf_greedy_many(hf_model, all_prompt_token_ids(tokenizer), HF_REFERENCE_NEW_TOKENS)
 
 
 def greedy_verdicts(

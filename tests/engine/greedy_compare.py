@@ -38,15 +38,37 @@ def compare_greedy(reference: GreedyRun, candidate: GreedyRun, label: str = "") 
 
 
 @torch.inference_mode()
-def hf_greedy(model: Any, prompt_ids: list[int], num_new: int) -> GreedyRun:
-    """Greedy decoding with a transformers model and its own KV cache; EOS does not stop it."""
-    out = model(torch.tensor([prompt_ids]), use_cache=True)
-    tokens: list[int] = []
-    top5: list[set[int]] = []
-    for _ in range(num_new):
-        logits = out.logits[0, -1].float()
-        token = int(torch.argmax(logits))
-        tokens.append(token)
-        top5.append(set(torch.topk(logits, 5).indices.tolist()))
-        out = model(torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
-    return GreedyRun(tokens, top5)
+def hf_greedy_many(model: Any, prompts: list[list[int]], num_new: int) -> list[GreedyRun]:
+    """Greedy decoding with a transformers model and its own KV cache (EOS does not stop it), over many prompts:
+    each prompt's prefill alone (no padding to compute), then the decode steps of all of them as one left-padded
+    batch, the padding masked out and positions counted from each prompt's start. One prompt at a time, 11 prompts
+    x 32 tokens took 29-33 CPU-s against 8.7, with the same tokens and top-5 sets at every step."""
+    from transformers import DynamicCache
+
+    width = max(len(p) for p in prompts)
+    prefills = [model(torch.tensor([p]), use_cache=True) for p in prompts]
+    cache = DynamicCache()
+    for layer in range(len(prefills[0].past_key_values.layers)):
+        padded = []
+        for prompt, out in zip(prompts, prefills, strict=True):
+            layer_cache = out.past_key_values.layers[layer]
+            pad = (0, 0, width - len(prompt), 0)  # left, along the sequence dimension of [1, heads, seq, dim]
+            padded.append(
+                (torch.nn.functional.pad(layer_cache.keys, pad), torch.nn.functional.pad(layer_cache.values, pad))
+            )
+        cache.update(torch.cat([k for k, _ in padded]), torch.cat([v for _, v in padded]), layer)
+    logits = torch.cat([out.logits[:, -1] for out in prefills]).float()
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    positions = torch.tensor([[len(p)] for p in prompts])
+    runs = [GreedyRun([], []) for _ in prompts]
+    for step in range(num_new):
+        tokens = torch.argmax(logits, dim=-1)
+        for run, token, best in zip(runs, tokens.tolist(), torch.topk(logits, 5).indices.tolist(), strict=True):
+            run.token_ids.append(token)
+            run.top5.append(set(best))
+        if step + 1 == num_new:
+            break
+        mask = torch.cat([mask, torch.ones(len(prompts), 1, dtype=mask.dtype)], dim=1)
+        out = model(tokens[:, None], attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
+        cache, logits, positions = out.past_key_values, out.logits[:, -1].float(), positions + 1
+    return runs

@@ -52,9 +52,10 @@ def hf_score(hf_model: Any, prompt: list[int], output: list[int]) -> float:
 
 def test_same_sequences_as_transformers(llm: LLM, hf_model: Any, tokenizer: Any) -> None:
     """8 prompts (6 plain, 2 chat-templated, which end in EOS): the top sequence is transformers', or, where float
-    noise flips a near-tie, transformers scores Folio's winner within 1e-4 of its own."""
+    noise flips a near-tie, transformers scores Folio's winner within 1e-4 of its own. The 196-token story is left
+    out: transformers prefills every prompt once per beam, and that one prompt took a third of the test's CPU."""
     prompts = all_prompt_token_ids(tokenizer)
-    prompts = prompts[:6] + prompts[-2:]
+    prompts = prompts[:5] + prompts[6:7] + prompts[-2:]
     results = llm.beam_search([{"prompt_token_ids": p} for p in prompts], BeamSearchParams(WIDTH, MAX_TOKENS))
     verdicts = []
     for i, (prompt, result) in enumerate(zip(prompts, results, strict=True)):
