@@ -49,20 +49,33 @@ def hf_fixture_dir(gguf_path: str) -> Path:
     return Path.home() / ".cache" / "folio" / "fixtures" / f"smollm2-hf-{digest.hexdigest()[:16]}"
 
 
-# The test directories that hold loaded models (tests/engine/conftest.py's memo; the reference and Folio models of
-# this file, which only they use): one pytest-xdist work unit, so that only one worker holds those models
-# (scripts/test.sh runs three workers).
+# The test directories that hold loaded models (tests/engine/conftest.py's memo and default engine; the reference and
+# Folio models of this file): two pytest-xdist work units, so that only two of scripts/test.sh's three workers hold
+# those models. One unit was a third of the suite's CPU, run on one core: the longest path through the run. The
+# tests held to transformers' reference model (hf_model, hf_reference) go with tests/model, the other engine tests
+# are the second unit.
 _SHARED_MODEL_DIRS = ("tests/engine/", "tests/model/")
+_REFERENCE_MODEL_TESTS = (
+    "tests/model/",
+    "tests/engine/test_beam_search.py",
+    "tests/engine/test_correctness_hf.py",
+    "tests/engine/test_cpu_tiers.py",
+    "tests/engine/test_cuda.py",
+    "tests/engine/test_engine_variants.py",
+    "tests/engine/test_kv_cache_dtype.py",
+)
 # Directories of kernel tests: each test runs its kernels on two OpenMP threads, whatever OMP_NUM_THREADS the
 # worker has (scripts/test.sh gives each worker one), so that the kernels' thread splits stay covered.
 _KERNEL_DIRS = ("tests/kernels/", "tests/attention/")
 
 
 def work_unit(nodeid: str) -> str:
-    """The pytest-xdist work unit of a test: the shared-model directories are one, every other module its own (a
+    """The pytest-xdist work unit of a test: the shared-model directories are two, every other module its own (a
     module's server then starts once, on one worker)."""
     path = nodeid.split("::", 1)[0]
-    return "shared-models" if path.startswith(_SHARED_MODEL_DIRS) else path
+    if path.startswith(_REFERENCE_MODEL_TESTS):
+        return "reference-models"
+    return "engine-models" if path.startswith(_SHARED_MODEL_DIRS) else path
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:

@@ -86,8 +86,10 @@ def test_a_step_larger_than_the_pipe_while_a_larger_output_waits(
     """pp=2, two requests: step 1 prefills A with prompt logprobs (its output ~240 KB), step 2, sent while step 1 is in
     flight, carries B's whole 14000-token prompt (ids above 65535, 5 pickled bytes each: ~70 KB). Both exceed a pipe's
     64 KiB buffer: the output rank must not wait to write its output before reading the next step while the core
-    waits to write that step (it hung so)."""
-    tiny_model = save_tiny_llama(tmp_path, vocab_size=70000, max_position_embeddings=16384)
+    waits to write that step (it hung so). One attention head of 16 dimensions: B's prefill attention is quadratic in
+    its length, and with the tiny model's four heads it took most of the test's CPU."""
+    narrow = {"hidden_size": 16, "intermediate_size": 32, "num_attention_heads": 1, "num_key_value_heads": 1}
+    tiny_model = save_tiny_llama(tmp_path, vocab_size=70000, max_position_embeddings=16384, **narrow)
     prompts = [
         {"prompt_token_ids": [1 + (7 * j) % 90 for j in range(1000)]},
         {"prompt_token_ids": [65536 + j % 4000 for j in range(14000)]},
