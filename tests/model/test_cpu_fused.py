@@ -1,7 +1,10 @@
 """The fused CPU decoder (folio/model/cpu_fused.py) against the layer-by-layer model it replaces on the CPU.
 
 Both run the same kernels in the same order, so the hidden states and every layer's K/V cache must be equal bit
-for bit, over steps that mix fresh prefills, a prefill chunk after cached tokens and decodes.
+for bit, over steps that mix fresh prefills, a prefill chunk after cached tokens and decodes. The model is a random
+one of SmolLM2's layer shapes (hidden 576, 9 query and 3 KV heads of 64, MLP 1536, tied embeddings) with 2 layers
+and a small vocabulary: the same kernel paths as the real model, at a tenth of its load (two loads per tier and
+dtype took most of tests/model's CPU).
 """
 
 from __future__ import annotations
@@ -14,8 +17,24 @@ from folio.kernels.cpu_kernels import load_cpu_kernels
 from folio.kernels.isa import IsaTier
 from folio.model.loader import load_model
 from folio.worker.kv_cache_shape import KVCacheShape
+from tests.tiny_models import save_tiny_llama
 
 BLOCK_SIZE = 16
+SMOLLM2_LAYER_SHAPES = dict(
+    vocab_size=1024,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=2,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    max_position_embeddings=256,
+    tie_word_embeddings=True,
+)
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return save_tiny_llama(tmp_path_factory.mktemp("fused"), **SMOLLM2_LAYER_SHAPES)
 
 
 # (the model's dtype, the K/V cache's): each over a cache of its own, and float32 over bfloat16 (kv_cache_dtype)
@@ -24,17 +43,17 @@ DTYPE_PAIRS = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
 
 @pytest.mark.parametrize(("dtype", "cache_dtype"), DTYPE_PAIRS, ids=["float32", "bfloat16", "float32_over_bf16_cache"])
 def test_fused_decoder_equals_layer_by_layer(
-    default_model_path: str, cpu_tier: IsaTier, dtype: torch.dtype, cache_dtype: torch.dtype
+    model_path: str, cpu_tier: IsaTier, dtype: torch.dtype, cache_dtype: torch.dtype
 ) -> None:
     """On each tier whose plan has the fused decoder; on the others the model must run layer by layer. Over a
     bfloat16 cache both round the step's K/V to bfloat16 as they write them."""
     cpu = torch.device("cpu")
     kernels = load_cpu_kernels(cpu_tier, dtype)
-    fused, spec = load_model(default_model_path, dtype, cpu, show_progress=False, cpu_kernels=kernels)
+    fused, spec = load_model(model_path, dtype, cpu, show_progress=False, cpu_kernels=kernels)
     if kernels.plan.fused_decoder != "folio":
         assert fused.model.fused_cpu is None
         pytest.skip(f"{cpu_tier.flag_name} {dtype}: the plan runs {kernels.plan.describe()}")
-    eager, _ = load_model(default_model_path, dtype, cpu, show_progress=False, enforce_eager=True, cpu_kernels=kernels)
+    eager, _ = load_model(model_path, dtype, cpu, show_progress=False, enforce_eager=True, cpu_kernels=kernels)
     assert fused.model.fused_cpu is not None and eager.model.fused_cpu is None
     shape = KVCacheShape(spec.num_hidden_layers, BLOCK_SIZE, spec.num_key_value_heads, spec.head_dim, cache_dtype, True)
     caches = {"fused": shape.allocate(40, cpu), "eager": shape.allocate(40, cpu)}
@@ -78,7 +97,7 @@ class _CountingGroup:
 
 
 def test_the_fused_decoder_calls_the_row_parallel_all_reduce_and_raises_its_failure(
-    default_model_path: str, cpu_tier: IsaTier
+    model_path: str, cpu_tier: IsaTier
 ) -> None:
     """Under tensor parallelism the o and down projections carry their rank group; the fused decoder then calls
     its all-reduce after each of them (2 per layer per step) with the step's proj buffer, and a failure there stops
@@ -88,7 +107,7 @@ def test_the_fused_decoder_calls_the_row_parallel_all_reduce_and_raises_its_fail
 
     dtype, cpu = torch.float32, torch.device("cpu")
     kernels = load_cpu_kernels(cpu_tier, dtype)
-    model, spec = load_model(default_model_path, dtype, cpu, show_progress=False, cpu_kernels=kernels)
+    model, spec = load_model(model_path, dtype, cpu, show_progress=False, cpu_kernels=kernels)
     if model.model.fused_cpu is None:
         pytest.skip(f"{cpu_tier.flag_name}: the plan runs {kernels.plan.describe()}")
     shape = KVCacheShape(spec.num_hidden_layers, BLOCK_SIZE, spec.num_key_value_heads, spec.head_dim, dtype, True)
@@ -96,7 +115,7 @@ def test_the_fused_decoder_calls_the_row_parallel_all_reduce_and_raises_its_fail
     ids, positions = torch.arange(100, 120), torch.arange(20)
     with torch.inference_mode():
         expected = model(ids, positions, shape.allocate(4, cpu), attn)
-    for fail_at in (None, 7):
+    for fail_at in (None, 3):
         group = _CountingGroup(fail_at)
         for layer in model.model.layers:
             layer.self_attn.o_proj.group = layer.mlp.down_proj.group = group
@@ -106,6 +125,6 @@ def test_the_fused_decoder_calls_the_row_parallel_all_reduce_and_raises_its_fail
                 assert torch.equal(model(ids, positions, shape.allocate(4, cpu), attn), expected)
                 assert group.calls == 2 * spec.num_hidden_layers
             else:
-                with pytest.raises(ConnectionError, match="peer gone at all-reduce 7"):
+                with pytest.raises(ConnectionError, match="peer gone at all-reduce 3"):
                     model(ids, positions, shape.allocate(4, cpu), attn)
-                assert group.calls == 7  # the layers after the failure did not run
+                assert group.calls == 3  # the forward stopped there: the last MLP and its all-reduce never ran
