@@ -21,6 +21,16 @@ TINY_SHAPE: dict[str, int] = {
     "max_position_embeddings": 256,
 }
 
+# SmolLM2's layer shapes (9 query and 3 KV heads of 64, MLP 1536, tied embeddings): a test picks the layers and the
+# vocabulary. The kernels take the real model's paths at a fraction of its load.
+SMOLLM2_LAYOUT: dict[str, int] = {
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "tie_word_embeddings": True,
+}
+
 
 def word_tokenizer(vocab_size: int) -> Any:
     """A word-level tokenizer of vocab_size tokens (<unk> 0, <s> 1, </s> 2, then w3, w4, ...): no model file needed."""

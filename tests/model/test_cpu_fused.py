@@ -17,24 +17,20 @@ from folio.kernels.cpu_kernels import load_cpu_kernels
 from folio.kernels.isa import IsaTier
 from folio.model.loader import load_model
 from folio.worker.kv_cache_shape import KVCacheShape
-from tests.tiny_models import save_tiny_llama
+from tests.tiny_models import SMOLLM2_LAYOUT, save_tiny_llama
 
 BLOCK_SIZE = 16
-SMOLLM2_LAYER_SHAPES = dict(
-    vocab_size=1024,
-    hidden_size=576,
-    intermediate_size=1536,
-    num_hidden_layers=2,
-    num_attention_heads=9,
-    num_key_value_heads=3,
-    max_position_embeddings=256,
-    tie_word_embeddings=True,
-)
 
 
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return save_tiny_llama(tmp_path_factory.mktemp("fused"), **SMOLLM2_LAYER_SHAPES)
+    return save_tiny_llama(
+        tmp_path_factory.mktemp("fused"),
+        vocab_size=1024,
+        num_hidden_layers=2,
+        max_position_embeddings=256,
+        **SMOLLM2_LAYOUT,
+    )
 
 
 # (the model's dtype, the K/V cache's): each over a cache of its own, and float32 over bfloat16 (kv_cache_dtype)
