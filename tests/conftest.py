@@ -64,28 +64,51 @@ _REFERENCE_MODEL_TESTS = (
     "tests/engine/test_engine_variants.py",
     "tests/engine/test_kv_cache_dtype.py",
 )
+# The modules whose tests send requests to tests/server/conftest.py's session-scoped default server: one unit, so
+# that one worker starts that server instead of each of the three (a server's start and its memory, twice over).
+_SHARED_SERVER_MODULES = tuple(
+    f"tests/server/test_{name}.py"
+    for name in (
+        "beam_search", "chat", "completions", "concurrency", "data_parallel", "errors", "hostile_inputs", "metrics",
+        "quiet_disconnect", "stream_soak", "structured_outputs_server",
+    )
+)  # fmt: skip
 # Directories of kernel tests: each test runs its kernels on two OpenMP threads, whatever OMP_NUM_THREADS the
 # worker has (scripts/test.sh gives each worker one), so that the kernels' thread splits stay covered.
 _KERNEL_DIRS = ("tests/kernels/", "tests/attention/")
 
 
 def work_unit(nodeid: str) -> str:
-    """The pytest-xdist work unit of a test: the shared-model directories are two, every other module its own (a
-    module's server then starts once, on one worker)."""
+    """The pytest-xdist work unit of a test: the shared-model directories are two, the shared server's modules one,
+    every other module its own (a module's server then starts once, on one worker)."""
     path = nodeid.split("::", 1)[0]
     if path.startswith(_REFERENCE_MODEL_TESTS):
         return "reference-models"
+    if path in _SHARED_SERVER_MODULES:
+        return "shared-server"
     return "engine-models" if path.startswith(_SHARED_MODEL_DIRS) else path
 
 
+# Started before the rest (which go largest first): the two model units, each a fifth of the suite's CPU on one
+# core, and the Ray module, whose run in its own network namespace takes ~3 minutes of wall time at little CPU. Each
+# of them started last would leave the other workers idle at the end.
+_FIRST_UNITS = ("reference-models", "engine-models", "tests/parallel/test_ray_executor.py")
+
+
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """Schedules by ``work_unit``, largest first. (xdist's own --dist loadgroup renames node ids, which pytest 9
-    no longer allows, and so falls back to one test at a time.)"""
+    """Schedules by ``work_unit``: _FIRST_UNITS first, then largest first. (xdist's own --dist loadgroup renames
+    node ids, which pytest 9 no longer allows, and so falls back to one test at a time.)"""
     from xdist.scheduler import LoadScopeScheduling
 
     class WorkUnitScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             return work_unit(nodeid)
+
+        def _assign_work_unit(self, node: Any) -> None:
+            for unit in reversed(_FIRST_UNITS):
+                if unit in self.workqueue:
+                    self.workqueue.move_to_end(unit, last=False)
+            super()._assign_work_unit(node)
 
     return WorkUnitScheduling(config, log)
 
