@@ -16,7 +16,7 @@ from folio.core.scheduler import SchedulerStats
 from folio.engine.async_llm import AsyncLLM, EngineDeadError
 from folio.engine.stats import IterationStats
 from folio.outputs import RequestOutput
-from tests.engine.conftest import TEST_KV_BYTES
+from tests.engine.conftest import TEST_KV_BYTES, TEST_MAX_MODEL_LEN
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 LONG = SamplingParams(temperature=0, max_tokens=2000, ignore_eos=True)
@@ -41,7 +41,10 @@ def recorder() -> FinishRecorder:
 
 @pytest.fixture(scope="module")
 def engine(recorder: FinishRecorder) -> Iterator[AsyncLLM]:
-    engine = AsyncLLM(EngineArgs(dtype="float32", kv_cache_memory_bytes=TEST_KV_BYTES), stat_loggers=[recorder])
+    engine = AsyncLLM(
+        EngineArgs(dtype="float32", kv_cache_memory_bytes=TEST_KV_BYTES, max_model_len=TEST_MAX_MODEL_LEN),
+        stat_loggers=[recorder],
+    )
     yield engine
     engine.shutdown()
 
@@ -175,10 +178,12 @@ def test_bad_input_raises_before_running(engine: AsyncLLM) -> None:
 def test_dead_core_fails_streams_and_is_reported() -> None:
     """Kill the core: requests made before the frontend noticed, in-flight streams, health checks and requests made
     after it noticed (on this loop or a new one) all raise EngineDeadError instead of hanging."""
-    engine = AsyncLLM(EngineArgs(dtype="float32", kv_cache_memory_bytes=TEST_KV_BYTES))
+    engine = AsyncLLM(
+        EngineArgs(dtype="float32", kv_cache_memory_bytes=TEST_KV_BYTES, max_model_len=TEST_MAX_MODEL_LEN)
+    )
 
     async def run() -> None:
-        stream = engine.generate("Tell me a story.", SamplingParams(max_tokens=4000, ignore_eos=True), "doomed")
+        stream = engine.generate("Tell me a story.", SamplingParams(max_tokens=2000, ignore_eos=True), "doomed")
         await stream.__anext__()
         os.kill(engine.engine_core_pid, signal.SIGKILL)
         engine.core.process.join(HANG_GUARD_S)  # gone before this loop can notice: nothing has run it since

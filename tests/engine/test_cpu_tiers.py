@@ -15,7 +15,7 @@ import pytest
 from folio import LLM, SamplingParams
 from folio.bench.datasets import DEFAULT_W1_PATH, load_w1
 from folio.kernels.isa import IsaTier
-from tests.engine.conftest import TEST_KV_BYTES, assert_no_leaks, greedy_verdicts
+from tests.engine.conftest import TEST_KV_BYTES, TEST_MAX_MODEL_LEN, assert_no_leaks, greedy_verdicts
 from tests.engine.greedy_compare import GreedyRun
 
 
@@ -25,7 +25,13 @@ def test_each_tier_matches_transformers(
     folio_logger = logging.getLogger("folio")  # it does not propagate to the root logger caplog listens on
     folio_logger.addHandler(caplog.handler)
     try:
-        llm = LLM(device="cpu", dtype="float32", cpu_isa=cpu_tier.flag_name, kv_cache_memory_bytes=TEST_KV_BYTES)
+        llm = LLM(
+            device="cpu",
+            dtype="float32",
+            cpu_isa=cpu_tier.flag_name,
+            kv_cache_memory_bytes=TEST_KV_BYTES,
+            max_model_len=TEST_MAX_MODEL_LEN,
+        )
     finally:
         folio_logger.removeHandler(caplog.handler)
     # the start-up line names the tier and the implementation chosen for each operation
@@ -40,7 +46,13 @@ def test_each_tier_matches_transformers(
 
 def test_bfloat16_below_avx512_is_refused_with_the_way_out() -> None:
     with pytest.raises(ValueError, match="dtype bfloat16 on the CPU needs the avx512 ISA tier.*use dtype float32"):
-        LLM(device="cpu", dtype="bfloat16", cpu_isa="generic", kv_cache_memory_bytes=TEST_KV_BYTES)
+        LLM(
+            device="cpu",
+            dtype="bfloat16",
+            cpu_isa="generic",
+            kv_cache_memory_bytes=TEST_KV_BYTES,
+            max_model_len=TEST_MAX_MODEL_LEN,
+        )
 
 
 def test_bf16_screened_lm_head_gives_the_float32_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -48,7 +60,7 @@ def test_bf16_screened_lm_head_gives_the_float32_tokens(monkeypatch: pytest.Monk
     prompts is the one the float32 arg-max picks, and the screen did the work (status 0 at every step). The prompts
     are cut to their first 16 tokens: the screen runs on the decode steps, and the whole prompts' prefills were
     two thirds of the test's CPU."""
-    llm = LLM(dtype="float32", kv_cache_memory_bytes=TEST_KV_BYTES)
+    llm = LLM(dtype="float32", kv_cache_memory_bytes=TEST_KV_BYTES, max_model_len=TEST_MAX_MODEL_LEN)
     model = llm.llm_engine.executor.worker.model
     if model.lm_head_screen is None:
         pytest.skip("no bfloat16 screen below the avx512_bf16 tier")

@@ -26,7 +26,7 @@ from tests.tiny_models import NoTokenizer, save_tiny_llama
 K = 4
 SMOLLM2_VOCAB = 49152
 # Target and draft K/V share each block: the test budget holds half the tokens, so a shorter max_model_len.
-MAX_MODEL_LEN = 2048
+MAX_MODEL_LEN = 1024  # the target and its draft share the KV bytes: 1456 tokens each in TEST_KV_BYTES
 PROMPTS = [*COPY_PROMPTS, *PLAIN_PROMPTS[:6]]  # PLAIN_PROMPTS[5]: a long story (~200 tokens)
 MAX_TOKENS = [48, 48, 48, 48, 1, 2, 5, 48, 48, 48]  # short ones: drafts cut by max_tokens
 

@@ -20,8 +20,10 @@ import pytest
 
 from folio.bench.server_proc import free_port
 
-# 512 MiB of KV (~11.6k tokens of SmolLM2), as the engine tests use.
-TEST_KV_BYTES = 512 * 2**20
+# 128 MiB of KV (2912 tokens of SmolLM2), as the engine tests use, and a context of 2048 unless a test names one
+# (the default 8192 needs about 360 MiB).
+TEST_KV_BYTES = 128 * 2**20
+TEST_MAX_MODEL_LEN = 2048
 MODEL_NAME = "SmolLM2-135M-Instruct"
 START_TIMEOUT_S = 180.0
 
@@ -42,6 +44,7 @@ class ServerProcess:
         self.log_path = log_path
         self.metrics_at_start: str | None = None  # /metrics as served before any request (the shared server's)
         args = [folio_script(), "serve", "--port", str(self.port), "--kv-cache-memory-bytes", str(TEST_KV_BYTES)]
+        args += ["--max-model-len", str(TEST_MAX_MODEL_LEN)]  # a test's own --max-model-len below wins (the last)
         args += ["--dtype", "float32", "--uvicorn-log-level", "warning", *(extra_args or [])]
         self._log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
         self.process = subprocess.Popen(

@@ -17,6 +17,7 @@ from folio.beam_search import BeamSearchSequence, get_beam_search_score
 from tests.server.conftest import (
     MODEL_NAME,
     TEST_KV_BYTES,
+    TEST_MAX_MODEL_LEN,
     ServerProcess,
     metric,
     parse_metrics,
@@ -33,7 +34,7 @@ HANG_GUARD_S = 120.0
 
 @pytest.fixture(scope="module")
 def llm() -> Iterator[LLM]:
-    yield LLM(dtype="float32", kv_cache_memory_bytes=TEST_KV_BYTES)
+    yield LLM(dtype="float32", kv_cache_memory_bytes=TEST_KV_BYTES, max_model_len=TEST_MAX_MODEL_LEN)
 
 
 def expected_texts(llm: LLM, prompt: Any, length_penalty: float = 1.0) -> list[str]:

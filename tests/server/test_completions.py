@@ -11,14 +11,14 @@ import httpx
 import pytest
 
 from folio import LLM, SamplingParams
-from tests.server.conftest import MODEL_NAME, TEST_KV_BYTES, ServerProcess
+from tests.server.conftest import MODEL_NAME, TEST_KV_BYTES, TEST_MAX_MODEL_LEN, ServerProcess
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 
 
 @pytest.fixture(scope="module")
 def llm() -> Iterator[LLM]:
-    yield LLM(dtype="float32", kv_cache_memory_bytes=TEST_KV_BYTES)
+    yield LLM(dtype="float32", kv_cache_memory_bytes=TEST_KV_BYTES, max_model_len=TEST_MAX_MODEL_LEN)
 
 
 def tokenize(server: ServerProcess, **body: Any) -> list[int]:
