@@ -42,7 +42,7 @@ def test_bench_serve_against_folio_serve(tmp_path: Path) -> None:
     assert plot_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-ENGINE = ["--kv-cache-memory-bytes", str(512 * 2**20), "--max-model-len", "512", "--dtype", "float32"]
+ENGINE = ["--kv-cache-memory-bytes", str(128 * 2**20), "--max-model-len", "512", "--dtype", "float32"]
 
 
 def test_bench_throughput(tmp_path: Path) -> None:
