@@ -45,3 +45,7 @@ SKIP_COMPILE+='|/site-packages/(sympy|networkx|fontTools|pip|setuptools|mypy)/'
 # Folio's CPU kernels for every ISA tier this CPU runs, built side by side now (cached in ~/.cache/folio/kernels),
 # so that the first server and the tests' processes load them instead of compiling the same library at once.
 .venv/bin/python -m folio.kernels.cpu_build
+# The default model's tokenizer, converted from its GGUF once here (cached in ~/.cache/folio/tokenizers, keyed by
+# the file's header): the first server and the tests' processes load it instead of converting it at the same time
+# (about 5 CPU-s for each process that found no entry).
+.venv/bin/python -c "from folio.model.loader import default_model_path, load_tokenizer; load_tokenizer(default_model_path())"
