@@ -240,6 +240,10 @@ class KVCacheManager:
         num_tokens = min(request.num_computed_tokens + num_scheduled_tokens, request.num_tokens)
         self._cache_blocks(request, num_tokens)
 
+    def has_loads_in_doubt(self, request_id: str) -> bool:
+        """Whether the request waits for disk or remote loads whose step has not answered : blocks maybe unwritten."""
+        return request_id in self._loads_in_doubt
+
     def cache_computed_blocks(self, request: Request) -> None:
         """Offer the request's full, computed blocks (K/V written by a finished forward) to the prefix cache.
 

@@ -279,9 +279,13 @@ class Scheduler:
 
     def _fork_ready_siblings(self, plan: StepPlan) -> None:
         """Fork the waiting siblings of every parent whose prompt is now fully scheduled. Siblings that would push
-        running past max_num_seqs are queued normally instead (the worker holds at most max_num_seqs requests)."""
+        running past max_num_seqs are queued normally instead (the worker holds at most max_num_seqs requests).
+        A parent whose disk or remote loads have not answered yet waits a step: a failed load would leave the
+        shared blocks unwritten under siblings the worker does not know to drop."""
         for req_id, parent in plan.scheduled.items():
             if not self.fork_waitlist.has_children(req_id) or parent.num_computed_tokens < parent.num_prompt_tokens:
+                continue
+            if self.kv_cache_manager.has_loads_in_doubt(req_id):
                 continue
             for sibling in self.fork_waitlist.pop_children(req_id):
                 if len(self.running) >= self.scheduler_config.max_num_seqs:

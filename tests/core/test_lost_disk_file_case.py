@@ -1,14 +1,11 @@
 """A case the scheduler state machine (test_properties.py) found, kept as a plain test: after a disk-tier file is
-lost, a request with n=2 sharing the lost block's prefix reads a block that holds other tokens. Found on
-2026-12-02 (session 25), not fixed yet: strict xfail, so that this test fails once the bug is fixed and the mark
-must go. The state machine reaches it only in some orders of the suite's modules (hypothesis draws other examples
-once other modules are imported)."""
+lost, a request with n=2 whose parent loads the lost block forks its siblings in the same step; the load fails, the
+worker drops the parent, and the siblings (unknown to the worker in that step) read the unwritten block. Found in
+session 25; fixed by forking only from a parent whose loads have answered (``Scheduler._fork_ready_siblings``)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-
-import pytest
 
 from tests.core.test_properties import RequestSpec, SchedulerMachine
 
@@ -21,9 +18,6 @@ def _spec(prefix_len: int, suffix_len: int, n: int = 1) -> RequestSpec:
     )  # fmt: skip
 
 
-@pytest.mark.xfail(
-    strict=True, raises=AssertionError, reason="lost disk file + n=2 siblings: a block with other tokens"
-)
 def test_a_lost_disk_file_under_shared_siblings_keeps_every_block_right() -> None:
     state = SchedulerMachine()
     state.configure(
