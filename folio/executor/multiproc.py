@@ -25,6 +25,7 @@ from typing import Any, NoReturn
 from folio.config import EngineConfig
 from folio.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from folio.executor.distributed import DistributedExecutor, check_parallel_start
+from folio.executor.rank_start import EngineSurroundings, rank_process_context
 from folio.executor.worker_proc import WorkerFailed, WorkerReady, apply_ready, run_worker
 
 _READY_TIMEOUT_S = 600.0
@@ -38,11 +39,14 @@ class MultiProcExecutor(DistributedExecutor):
         super().__init__(config)
         check_parallel_start(config)
         _allow_children()
-        ctx = multiprocessing.get_context("spawn")
+        ctx = rank_process_context()
+        import torch
+
         from folio.parallel.group import rendezvous_store  # torch: imported once an executor is built
 
         self._rendezvous = rendezvous_store()  # the ranks meet here; it lives as long as this executor
         port = self._rendezvous.port
+        num_threads = max(1, torch.get_num_threads() // self.world_size)  # the ranks share this process's threads
         self._procs: list[Any] = []
         self._to_workers: list[Any] = []
         self._from_workers: list[Any] = []
@@ -51,7 +55,7 @@ class MultiProcExecutor(DistributedExecutor):
             results_out, results_in = ctx.Pipe(duplex=False)
             proc = ctx.Process(
                 target=run_worker,
-                args=(config, rank, self.world_size, port, sched_out, results_in),
+                args=(config, rank, self.world_size, port, sched_out, results_in, num_threads, EngineSurroundings()),
                 name=f"folio-worker-{rank}",
                 daemon=True,
             )

@@ -40,15 +40,28 @@ class WorkerFailed:
     message: str
 
 
-def run_worker(config: EngineConfig, rank: int, world_size: int, port: int, sched_in: Any, results_out: Any) -> None:
-    """Process entry (spawned by MultiProcExecutor)."""
+def run_worker(
+    config: EngineConfig,
+    rank: int,
+    world_size: int,
+    port: int,
+    sched_in: Any,
+    results_out: Any,
+    num_threads: int,
+    surroundings: None,
+) -> None:
+    """Process entry (started by MultiProcExecutor); num_threads: this rank's share of the engine's CPU threads;
+    surroundings: None once unpickled, which gave this process the engine's environment, stdout and stderr
+    (folio/executor/rank_start.py)."""
+    import signal
+
     import torch
 
     from folio.logger import init_logger
 
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # the fork server leaves Ctrl-C at the OS default
     init_logger()
-    # The ranks share the machine's cores (CPU) unless OMP_NUM_THREADS says otherwise for each.
-    torch.set_num_threads(max(1, torch.get_num_threads() // world_size))
+    torch.set_num_threads(num_threads)
     try:
         worker = start_worker(config, rank, world_size, "127.0.0.1", port)
     except Exception as e:
