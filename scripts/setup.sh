@@ -42,10 +42,12 @@ SKIP_COMPILE='/tests?/|/transformers/models/(?!(auto|llama|mistral|qwen2|qwen3_5
 SKIP_COMPILE+='|/site-packages/(sympy|networkx|fontTools|pip|setuptools|mypy)/'
 .venv/bin/python -m compileall -q -j 0 -x "$SKIP_COMPILE" .venv/lib/python3*/site-packages >/dev/null 2>&1 || true
 .venv/bin/python -m compileall -q -j 0 folio tests benchmarks >/dev/null 2>&1 || true
+# The default model's tokenizer, converted from its GGUF once here (cached in ~/.cache/folio/tokenizers, keyed by
+# the file's header): the first server and the tests' processes load it instead of converting it at the same time
+# (about 5 CPU-s for each process that found no entry). One core for ~11 s: it runs beside the kernels' build.
+.venv/bin/python -c "from folio.model.loader import default_model_path, load_tokenizer; load_tokenizer(default_model_path())" &
+TOKENIZER_PID=$!
 # Folio's CPU kernels for every ISA tier this CPU runs, built side by side now (cached in ~/.cache/folio/kernels),
 # so that the first server and the tests' processes load them instead of compiling the same library at once.
 .venv/bin/python -m folio.kernels.cpu_build
-# The default model's tokenizer, converted from its GGUF once here (cached in ~/.cache/folio/tokenizers, keyed by
-# the file's header): the first server and the tests' processes load it instead of converting it at the same time
-# (about 5 CPU-s for each process that found no entry).
-.venv/bin/python -c "from folio.model.loader import default_model_path, load_tokenizer; load_tokenizer(default_model_path())"
+wait "$TOKENIZER_PID"
