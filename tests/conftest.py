@@ -9,6 +9,7 @@ float32 tensors either way (the logits are bit-identical); ``hf_model_dir`` is t
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import tempfile
@@ -89,28 +90,61 @@ def work_unit(nodeid: str) -> str:
     return "engine-models" if path.startswith(_SHARED_MODEL_DIRS) else path
 
 
-# Started before the rest (which go largest first): the two model units, each a fifth of the suite's CPU on one
-# core, and the Ray module, whose run in its own network namespace takes ~3 minutes of wall time at little CPU. Each
-# of them started last would leave the other workers idle at the end.
-_FIRST_UNITS = ("reference-models", "engine-models", "tests/parallel/test_ray_executor.py")
+# Each unit's seconds in a recent run (``pytest --record-unit-seconds``, which rewrites the file): the longest units
+# start first, so that no worker still runs a long one while the others have nothing left. Ordered by their number
+# of tests instead (xdist's way), the modules that start a server, often of one or two tests, came last and left the
+# other workers idle for the last 15-25 s. A unit the file does not name counts 0.2 s per test.
+UNIT_SECONDS_FILE = Path(__file__).with_name("unit_seconds.json")
+_UNKNOWN_UNIT_SECONDS_PER_TEST = 0.2
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--record-unit-seconds",
+        action="store_true",
+        help=f"write each work unit's seconds (setup, call and teardown of its tests) to {UNIT_SECONDS_FILE.name}",
+    )
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """Schedules by ``work_unit``: _FIRST_UNITS first, then largest first. (xdist's own --dist loadgroup renames
+    """Schedules by ``work_unit``, the longest first (UNIT_SECONDS_FILE). (xdist's own --dist loadgroup renames
     node ids, which pytest 9 no longer allows, and so falls back to one test at a time.)"""
     from xdist.scheduler import LoadScopeScheduling
 
+    known = json.loads(UNIT_SECONDS_FILE.read_text()) if UNIT_SECONDS_FILE.is_file() else {}
+
     class WorkUnitScheduling(LoadScopeScheduling):
+        ordered = False
+
         def _split_scope(self, nodeid: str) -> str:
             return work_unit(nodeid)
 
         def _assign_work_unit(self, node: Any) -> None:
-            for unit in reversed(_FIRST_UNITS):
-                if unit in self.workqueue:
-                    self.workqueue.move_to_end(unit, last=False)
+            if not self.ordered:  # the first call: the queue holds every unit
+
+                def seconds(unit: str) -> float:
+                    return float(known.get(unit, len(self.workqueue[unit]) * _UNKNOWN_UNIT_SECONDS_PER_TEST))
+
+                for unit in sorted(self.workqueue, key=seconds, reverse=True):
+                    self.workqueue.move_to_end(unit)
+                self.ordered = True
             super()._assign_work_unit(node)
 
     return WorkUnitScheduling(config, log)
+
+
+_unit_seconds: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Under xdist, the controller sees every worker's reports here too."""
+    _unit_seconds[work_unit(report.nodeid)] = _unit_seconds.get(work_unit(report.nodeid), 0.0) + report.duration
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if session.config.getoption("--record-unit-seconds") and not hasattr(session.config, "workerinput"):
+        ordered = dict(sorted(((unit, round(s, 1)) for unit, s in _unit_seconds.items()), key=lambda kv: -kv[1]))
+        UNIT_SECONDS_FILE.write_text(json.dumps(ordered, indent=0) + "\n")
 
 
 @pytest.fixture(autouse=True)
