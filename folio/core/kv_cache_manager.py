@@ -241,7 +241,7 @@ class KVCacheManager:
         self._cache_blocks(request, num_tokens)
 
     def has_loads_in_doubt(self, request_id: str) -> bool:
-        """Whether the request waits for disk or remote loads whose step has not answered : blocks maybe unwritten."""
+        """Whether the request's disk or remote loads are still unanswered (its blocks may be unwritten)."""
         return request_id in self._loads_in_doubt
 
     def cache_computed_blocks(self, request: Request) -> None:
