@@ -39,8 +39,11 @@ class MultiProcExecutor(DistributedExecutor):
         super().__init__(config)
         check_parallel_start(config)
         _allow_children()
-        ctx = rank_process_context()
         import torch
+
+        from folio.worker.device import resolve_device
+
+        ctx = rank_process_context(resolve_device(config.device).type)
 
         from folio.parallel.group import rendezvous_store  # torch: imported once an executor is built
 

@@ -1,10 +1,10 @@
-"""How the multiprocess executor starts its ranks: forked from a fork server that has imported torch and the
+"""How the multiprocess executor starts its CPU ranks: forked from a fork server that has imported torch and the
 worker's modules, so that a rank costs a fork instead of a fresh interpreter importing torch (about 2 CPU-s and
 most of a rank's start; a tp=2 start imports once instead of twice, later executors in the same process not at
 all). Unlike a plain fork of the engine's own process, no thread, lock or CUDA state of the engine comes along.
 
 A forked rank would otherwise see what the fork server had when it started, not what its engine has now: each rank
-gets the engine's current environment (read by CUDA, MKL and oneDNN when they start, after the fork) and its
+gets the engine's current environment (read by MKL and oneDNN when they start, after the fork) and its
 current stdout and stderr (a log redirected or captured since gets the ranks' lines, as with spawned ranks).
 """
 
@@ -20,9 +20,13 @@ from typing import Any
 _PRELOAD = ["torch", "folio.executor.worker_proc", "folio.worker.worker", "folio.parallel.group"]
 
 
-def rank_process_context() -> Any:
-    """The multiprocessing context ranks start in; its fork server starts at the first rank and lives as long as
-    this process (it exits when this process does)."""
+def rank_process_context(device_type: str) -> Any:
+    """The multiprocessing context ranks on ``device_type`` start in. CPU ranks: the fork server's, which starts at
+    the first rank and lives as long as this process (it exits when this process does). CUDA ranks are spawned,
+    as before: a process forked after anything in its parent initialised the CUDA driver cannot use CUDA, and the
+    fork server's imports are not checked for that on a GPU machine."""
+    if device_type != "cpu":
+        return multiprocessing.get_context("spawn")
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)
     return ctx

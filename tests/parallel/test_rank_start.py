@@ -24,7 +24,7 @@ def _probe(surroundings: None, results: Any, line: str) -> None:
 
 
 def _start_probe(line: str) -> tuple[bool, str | None, int]:
-    ctx = rank_process_context()
+    ctx = rank_process_context("cpu")
     results_out, results_in = ctx.Pipe(duplex=False)
     process = ctx.Process(target=_probe, args=(EngineSurroundings(), results_in, line), daemon=True)
     process.start()
@@ -36,6 +36,12 @@ def _start_probe(line: str) -> tuple[bool, str | None, int]:
         process.join(60.0)
     assert process.exitcode == 0
     return result
+
+
+def test_cuda_ranks_are_spawned() -> None:
+    """A fork after the parent initialised the CUDA driver cannot use CUDA: CUDA ranks keep spawn."""
+    assert rank_process_context("cuda").get_start_method() == "spawn"
+    assert rank_process_context("cpu").get_start_method() == "forkserver"
 
 
 def test_a_rank_starts_with_torch_imported_and_the_engines_current_environment_and_stderr(
