@@ -59,7 +59,9 @@ def _apply_surroundings(environ: dict[str, str], stdout: Any, stderr: Any) -> No
     os.environ.clear()
     os.environ.update(environ)
     for target, inherited in ((1, stdout), (2, stderr)):
-        if inherited is not None:
-            fd = inherited.detach()
+        if inherited is None:
+            continue
+        fd = inherited.detach()  # spawn passes the descriptor under its own number, the fork server under a new one
+        if fd != target:
             os.dup2(fd, target)
             os.close(fd)

@@ -16,15 +16,16 @@ _PROBE_VARIABLE = "FOLIO_RANK_START_PROBE"
 
 
 def _probe(surroundings: None, results: Any, line: str) -> None:
-    """A rank's stand-in: reports what it started with and writes ``line`` (if any) to its stderr."""
+    """A rank's stand-in: reports what it started with and writes ``line`` (if any) to its stdout and stderr."""
     if line:
+        print(line, flush=True)
         print(line, file=sys.stderr, flush=True)
     results.send(("torch" in sys.modules, os.environ.get(_PROBE_VARIABLE), os.getppid()))
     results.close()
 
 
-def _start_probe(line: str) -> tuple[bool, str | None, int]:
-    ctx = rank_process_context("cpu")
+def _start_probe(line: str, device_type: str = "cpu") -> tuple[bool, str | None, int]:
+    ctx = rank_process_context(device_type)
     results_out, results_in = ctx.Pipe(duplex=False)
     process = ctx.Process(target=_probe, args=(EngineSurroundings(), results_in, line), daemon=True)
     process.start()
@@ -55,4 +56,16 @@ def test_a_rank_starts_with_torch_imported_and_the_engines_current_environment_a
     assert torch_imported  # preloaded by the fork server: the rank does not import it
     assert value == "after"
     assert parent != os.getpid()  # forked by the server, not by this process
-    assert "second probe" in capfd.readouterr().err
+    captured = capfd.readouterr()
+    assert "second probe" in captured.out and "second probe" in captured.err
+
+
+def test_a_spawned_rank_keeps_the_engines_stdout_and_stderr(
+    monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """CUDA's start method (spawn) hands the descriptors over under their own numbers: they stay open."""
+    monkeypatch.setenv(_PROBE_VARIABLE, "spawned")
+    torch_imported, value, parent = _start_probe("spawned probe", "cuda")  # the probe itself touches no GPU
+    assert (value, parent) == ("spawned", os.getpid())
+    captured = capfd.readouterr()
+    assert "spawned probe" in captured.out and "spawned probe" in captured.err
