@@ -13,7 +13,8 @@ import torch
 from folio.model.loader import read_model_spec
 from folio.model.noop import NoopCausalLM, noop_token_id
 from folio.step_timer import PHASES, StepTimer
-from tests.server.conftest import TEST_KV_BYTES, folio_script
+from tests.server.conftest import folio_script
+from tests.small_engine import TEST_KV_BYTES
 
 BATCH, INPUT_LEN, OUTPUT_LEN, ITERS = 4, 8, 6, 2
 

@@ -12,7 +12,8 @@ import pytest
 from folio.bench.slo import SLO_METRICS, parse_slo, recommend
 from folio.bench.sweep import _make_point, _point_summary, format_sweep_table
 from folio.cli import main
-from tests.server.conftest import TEST_KV_BYTES, folio_script
+from tests.server.conftest import folio_script
+from tests.small_engine import TEST_KV_BYTES
 
 NUM_PROMPTS = 4
 

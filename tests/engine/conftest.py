@@ -21,13 +21,9 @@ import folio.worker.worker as worker_module
 from folio import LLM, SamplingParams
 from tests.engine.greedy_compare import GreedyRun, compare_greedy, from_folio_output, hf_greedy_many
 from tests.engine.prompts import all_prompt_token_ids
+from tests.small_engine import SMALL_ENGINE
 
 HF_REFERENCE_NEW_TOKENS = 32
-# 128 MiB of KV (2912 tokens of SmolLM2 in float32) per engine, for a context of TEST_MAX_MODEL_LEN: several engines
-# live in one session, also on a GPU, and every fresh engine process faults its cache in (about 1 CPU-s for 512 MiB
-# on these VMs). The default max_model_len (8192) needs about 360 MiB: engines on TEST_KV_BYTES name this one.
-TEST_KV_BYTES = 128 * 2**20
-TEST_MAX_MODEL_LEN = 2048
 
 
 @pytest.fixture(scope="package", autouse=True)
@@ -79,7 +75,7 @@ def _no_leaks_after_each_test() -> Iterator[None]:
 @pytest.fixture(scope="package")
 def llm() -> LLM:
     """The default engine: SmolLM2 in float32 with default settings."""
-    return LLM(dtype="float32", kv_cache_memory_bytes=TEST_KV_BYTES, max_model_len=TEST_MAX_MODEL_LEN)
+    return LLM(dtype="float32", **SMALL_ENGINE)
 
 
 @pytest.fixture(scope="package")
@@ -106,9 +102,7 @@ def greedy_verdicts(
 @pytest.fixture()
 def make_llm() -> Callable[..., LLM]:
     def make(**kwargs: Any) -> LLM:
-        kwargs.setdefault("kv_cache_memory_bytes", TEST_KV_BYTES)
-        kwargs.setdefault("max_model_len", TEST_MAX_MODEL_LEN)
-        return LLM(dtype="float32", **kwargs)
+        return LLM(dtype="float32", **{**SMALL_ENGINE, **kwargs})
 
     return make
 

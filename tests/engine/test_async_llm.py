@@ -16,7 +16,7 @@ from folio.core.scheduler import SchedulerStats
 from folio.engine.async_llm import AsyncLLM, EngineDeadError
 from folio.engine.stats import IterationStats
 from folio.outputs import RequestOutput
-from tests.engine.conftest import TEST_KV_BYTES, TEST_MAX_MODEL_LEN
+from tests.small_engine import SMALL_ENGINE
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 LONG = SamplingParams(temperature=0, max_tokens=2000, ignore_eos=True)
@@ -42,7 +42,7 @@ def recorder() -> FinishRecorder:
 @pytest.fixture(scope="module")
 def engine(recorder: FinishRecorder) -> Iterator[AsyncLLM]:
     engine = AsyncLLM(
-        EngineArgs(dtype="float32", kv_cache_memory_bytes=TEST_KV_BYTES, max_model_len=TEST_MAX_MODEL_LEN),
+        EngineArgs(dtype="float32", **SMALL_ENGINE),
         stat_loggers=[recorder],
     )
     yield engine
@@ -178,9 +178,7 @@ def test_bad_input_raises_before_running(engine: AsyncLLM) -> None:
 def test_dead_core_fails_streams_and_is_reported() -> None:
     """Kill the core: requests made before the frontend noticed, in-flight streams, health checks and requests made
     after it noticed (on this loop or a new one) all raise EngineDeadError instead of hanging."""
-    engine = AsyncLLM(
-        EngineArgs(dtype="float32", kv_cache_memory_bytes=TEST_KV_BYTES, max_model_len=TEST_MAX_MODEL_LEN)
-    )
+    engine = AsyncLLM(EngineArgs(dtype="float32", **SMALL_ENGINE))
 
     async def run() -> None:
         stream = engine.generate("Tell me a story.", SamplingParams(max_tokens=2000, ignore_eos=True), "doomed")

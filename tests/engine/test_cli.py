@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.engine.conftest import TEST_KV_BYTES, TEST_MAX_MODEL_LEN
+from tests.small_engine import TEST_KV_BYTES, TEST_MAX_MODEL_LEN
 
 
 def folio_command() -> list[str]:

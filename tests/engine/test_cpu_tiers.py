@@ -15,8 +15,9 @@ import pytest
 from folio import LLM, SamplingParams
 from folio.bench.datasets import DEFAULT_W1_PATH, load_w1
 from folio.kernels.isa import IsaTier
-from tests.engine.conftest import TEST_KV_BYTES, TEST_MAX_MODEL_LEN, assert_no_leaks, greedy_verdicts
+from tests.engine.conftest import assert_no_leaks, greedy_verdicts
 from tests.engine.greedy_compare import GreedyRun
+from tests.small_engine import SMALL_ENGINE
 
 
 def test_each_tier_matches_transformers(
@@ -29,8 +30,7 @@ def test_each_tier_matches_transformers(
             device="cpu",
             dtype="float32",
             cpu_isa=cpu_tier.flag_name,
-            kv_cache_memory_bytes=TEST_KV_BYTES,
-            max_model_len=TEST_MAX_MODEL_LEN,
+            **SMALL_ENGINE,
         )
     finally:
         folio_logger.removeHandler(caplog.handler)
@@ -50,8 +50,7 @@ def test_bfloat16_below_avx512_is_refused_with_the_way_out() -> None:
             device="cpu",
             dtype="bfloat16",
             cpu_isa="generic",
-            kv_cache_memory_bytes=TEST_KV_BYTES,
-            max_model_len=TEST_MAX_MODEL_LEN,
+            **SMALL_ENGINE,
         )
 
 
@@ -60,7 +59,7 @@ def test_bf16_screened_lm_head_gives_the_float32_tokens(monkeypatch: pytest.Monk
     prompts is the one the float32 arg-max picks, and the screen did the work (status 0 at every step). The prompts
     are cut to their first 16 tokens: the screen runs on the decode steps, and the whole prompts' prefills were
     two thirds of the test's CPU."""
-    llm = LLM(dtype="float32", kv_cache_memory_bytes=TEST_KV_BYTES, max_model_len=TEST_MAX_MODEL_LEN)
+    llm = LLM(dtype="float32", **SMALL_ENGINE)
     model = llm.llm_engine.executor.worker.model
     if model.lm_head_screen is None:
         pytest.skip("no bfloat16 screen below the avx512_bf16 tier")

@@ -10,9 +10,10 @@ import pytest
 from folio import LLM, SamplingParams
 from folio.kernels.cpu_plan import BFLOAT16_MIN_TIER
 from tests.conftest import CPU_TIERS
-from tests.engine.conftest import TEST_KV_BYTES, TEST_MAX_MODEL_LEN, assert_no_leaks, greedy_verdicts
+from tests.engine.conftest import assert_no_leaks, greedy_verdicts
 from tests.engine.greedy_compare import GreedyRun, compare_greedy, from_folio_output
 from tests.engine.prompts import all_prompt_token_ids
+from tests.small_engine import SMALL_ENGINE
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=5)
 
@@ -108,7 +109,7 @@ def test_bfloat16_on_cpu_agrees_with_float32(tokenizer: Any, hf_reference: list[
     on an AMD EPYC with avx512_bf16 (diverged at steps 6, 12, 25 and 28). At least 5 are asked, so that a drift
     the one-step rule would let through on every prompt still fails. Run on each tier that takes bfloat16 (the
     avx512 tier widens bfloat16 to float32 in registers, avx512_bf16 multiplies pairs with vdpbf16ps)."""
-    bf16 = LLM(dtype="bfloat16", cpu_isa=cpu_isa, kv_cache_memory_bytes=TEST_KV_BYTES, max_model_len=TEST_MAX_MODEL_LEN)
+    bf16 = LLM(dtype="bfloat16", cpu_isa=cpu_isa, **SMALL_ENGINE)
     verdicts = greedy_verdicts(bf16, tokenizer, hf_reference)
     print("bfloat16 on CPU vs transformers float32:", verdicts)
     assert len(verdicts) == len(hf_reference) == 11

@@ -16,9 +16,10 @@ from folio.config import CacheConfig
 from folio.kernels.cpu_build import native_tier
 from folio.kernels.isa import IsaTier
 from folio.worker.device import resolve_kv_cache_dtype
-from tests.engine.conftest import TEST_KV_BYTES, TEST_MAX_MODEL_LEN, assert_no_leaks, greedy_verdicts
+from tests.engine.conftest import assert_no_leaks, greedy_verdicts
 from tests.engine.greedy_compare import GreedyRun
 from tests.engine.test_kv_tiers import GREEDY, PROMPTS, SMALL_POOL, _Run
+from tests.small_engine import SMALL_ENGINE, TEST_KV_BYTES
 
 # float32 K/V of SmolLM2: 30 layers, K and V, 3 KV heads of 64 dims, 16 tokens a block
 FLOAT32_BLOCK_BYTES = 30 * 2 * 3 * 64 * 16 * 4
@@ -33,8 +34,7 @@ def test_a_bfloat16_cache_under_float32_matches_transformers(
         dtype="float32",
         kv_cache_dtype="bfloat16",
         cpu_isa=tier.flag_name,
-        kv_cache_memory_bytes=TEST_KV_BYTES,
-        max_model_len=TEST_MAX_MODEL_LEN,
+        **SMALL_ENGINE,
     )
     worker = llm.llm_engine.executor.worker
     caches = worker.model_runner.kv_caches
@@ -68,9 +68,7 @@ def test_an_unknown_kv_cache_dtype_is_refused_naming_the_choices() -> None:
     with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of auto, bfloat16, got 'fp8'"):
         CacheConfig(cache_dtype="fp8")
     with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of auto, bfloat16, got 'fp8'"):
-        LLM(
-            dtype="float32", kv_cache_dtype="fp8", kv_cache_memory_bytes=TEST_KV_BYTES, max_model_len=TEST_MAX_MODEL_LEN
-        )
+        LLM(dtype="float32", kv_cache_dtype="fp8", **SMALL_ENGINE)
 
 
 def test_a_float32_model_over_a_bfloat16_cache_is_refused_off_the_cpu_and_auto_is_the_models_dtype() -> None:

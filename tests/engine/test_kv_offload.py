@@ -18,7 +18,7 @@ from folio.kernels.cpu_kernels import load_cpu_kernels
 from folio.kernels.kv_block_copy import BlockCopy, CpuBlockCopy, aten_copy_blocks
 from folio.worker.kv_cache_shape import KVCacheShape
 from folio.worker.kv_offload import HostKVCache, KVTransfer, mem_available_bytes, resolve_num_host_blocks
-from tests.engine.conftest import TEST_KV_BYTES, TEST_MAX_MODEL_LEN
+from tests.small_engine import SMALL_ENGINE
 
 CPU = torch.device("cpu")
 
@@ -182,8 +182,7 @@ def test_engine_with_a_host_tier_larger_than_ram_fails_at_start() -> None:
     with pytest.raises(ValueError, match=rf"--kv-offloading-size {too_big:g} GiB .* more than the RAM available"):
         LLM(
             dtype="float32",
-            kv_cache_memory_bytes=TEST_KV_BYTES,
-            max_model_len=TEST_MAX_MODEL_LEN,
+            **SMALL_ENGINE,
             kv_offloading_size=too_big,
         )
 
@@ -194,8 +193,7 @@ def test_engine_resolves_logs_and_executes_with_a_host_tier(caplog: pytest.LogCa
     with caplog.at_level(logging.INFO, logger="folio"):
         llm = LLM(
             dtype="float32",
-            kv_cache_memory_bytes=TEST_KV_BYTES,
-            max_model_len=TEST_MAX_MODEL_LEN,
+            **SMALL_ENGINE,
             kv_offloading_size=1 / 16,
         )
     engine = llm.llm_engine
@@ -205,7 +203,7 @@ def test_engine_resolves_logs_and_executes_with_a_host_tier(caplog: pytest.LogCa
     assert worker.host_kv_cache.num_blocks == num_host
     assert f"KV host tier: {num_host} blocks of 16 tokens" in caplog.text
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    base = LLM(dtype="float32", kv_cache_memory_bytes=TEST_KV_BYTES, max_model_len=TEST_MAX_MODEL_LEN)
+    base = LLM(dtype="float32", **SMALL_ENGINE)
     prompt = {"prompt_token_ids": list(range(100, 140))}
     assert llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids == (
         base.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids

@@ -18,9 +18,10 @@ import pytest
 from folio import LLM, SamplingParams
 from folio.core.spec_decode import SpecDecodingStats
 from folio.model.loader import default_model_path
-from tests.engine.conftest import TEST_KV_BYTES, assert_no_leaks
+from tests.engine.conftest import assert_no_leaks
 from tests.engine.prompts import PLAIN_PROMPTS
 from tests.engine.test_spec_decode import COPY_PROMPTS
+from tests.small_engine import TEST_KV_BYTES
 from tests.tiny_models import NoTokenizer, save_tiny_llama
 
 K = 4

@@ -14,8 +14,9 @@ import pytest
 
 from folio import LLM, SamplingParams
 from folio.outputs import RequestOutput
-from tests.engine.conftest import TEST_KV_BYTES, TEST_MAX_MODEL_LEN, assert_no_leaks
+from tests.engine.conftest import assert_no_leaks
 from tests.engine.test_spec_decode import COPY_PROMPTS, SPEC
+from tests.small_engine import SMALL_ENGINE
 
 
 def _run(llm: LLM, prompts: list[str], params: list[SamplingParams]) -> list[RequestOutput]:
@@ -30,9 +31,7 @@ def _tokens(outputs: list[RequestOutput]) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def spec_llm() -> LLM:
-    return LLM(
-        dtype="float32", kv_cache_memory_bytes=TEST_KV_BYTES, max_model_len=TEST_MAX_MODEL_LEN, speculative_config=SPEC
-    )
+    return LLM(dtype="float32", **SMALL_ENGINE, speculative_config=SPEC)
 
 
 def test_seeded_sampled_requests_speculate_reproducibly(llm: LLM, spec_llm: LLM) -> None:

@@ -16,8 +16,9 @@ import pytest
 from folio import LLM, SamplingParams
 from folio.outputs import RequestOutput
 from folio.structured.params import StructuredOutputsParams
-from tests.engine.conftest import TEST_KV_BYTES, TEST_MAX_MODEL_LEN, assert_no_leaks
+from tests.engine.conftest import assert_no_leaks
 from tests.engine.test_spec_decode import SPEC
+from tests.small_engine import SMALL_ENGINE
 
 PERSON = {"name": "Ada Lovelace", "born": 1815, "city": "London", "skills": ["math", "poetry", "engines"]}
 PERSON_SCHEMA = {
@@ -56,9 +57,7 @@ def _cases() -> list[tuple[str, StructuredOutputsParams]]:
 
 @pytest.fixture(scope="module")
 def spec_llm() -> LLM:
-    return LLM(
-        dtype="float32", kv_cache_memory_bytes=TEST_KV_BYTES, max_model_len=TEST_MAX_MODEL_LEN, speculative_config=SPEC
-    )
+    return LLM(dtype="float32", **SMALL_ENGINE, speculative_config=SPEC)
 
 
 def _run(

@@ -19,11 +19,8 @@ import httpx
 import pytest
 
 from folio.bench.server_proc import free_port
+from tests.small_engine import TEST_KV_BYTES, TEST_MAX_MODEL_LEN
 
-# 128 MiB of KV (2912 tokens of SmolLM2), as the engine tests use, and a context of 2048 unless a test names one
-# (the default 8192 needs about 360 MiB).
-TEST_KV_BYTES = 128 * 2**20
-TEST_MAX_MODEL_LEN = 2048
 MODEL_NAME = "SmolLM2-135M-Instruct"
 START_TIMEOUT_S = 180.0
 

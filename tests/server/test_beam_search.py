@@ -16,14 +16,13 @@ from folio import LLM, BeamSearchParams
 from folio.beam_search import BeamSearchSequence, get_beam_search_score
 from tests.server.conftest import (
     MODEL_NAME,
-    TEST_KV_BYTES,
-    TEST_MAX_MODEL_LEN,
     ServerProcess,
     metric,
     parse_metrics,
     server_is_idle,
     wait_until,
 )
+from tests.small_engine import SMALL_ENGINE
 
 PROMPT = "The three primary colors are"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -34,7 +33,7 @@ HANG_GUARD_S = 120.0
 
 @pytest.fixture(scope="module")
 def llm() -> Iterator[LLM]:
-    yield LLM(dtype="float32", kv_cache_memory_bytes=TEST_KV_BYTES, max_model_len=TEST_MAX_MODEL_LEN)
+    yield LLM(dtype="float32", **SMALL_ENGINE)
 
 
 def expected_texts(llm: LLM, prompt: Any, length_penalty: float = 1.0) -> list[str]:

@@ -11,14 +11,15 @@ import httpx
 import pytest
 
 from folio import LLM, SamplingParams
-from tests.server.conftest import MODEL_NAME, TEST_KV_BYTES, TEST_MAX_MODEL_LEN, ServerProcess
+from tests.server.conftest import MODEL_NAME, ServerProcess
+from tests.small_engine import SMALL_ENGINE
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 
 
 @pytest.fixture(scope="module")
 def llm() -> Iterator[LLM]:
-    yield LLM(dtype="float32", kv_cache_memory_bytes=TEST_KV_BYTES, max_model_len=TEST_MAX_MODEL_LEN)
+    yield LLM(dtype="float32", **SMALL_ENGINE)
 
 
 def tokenize(server: ServerProcess, **body: Any) -> list[int]:

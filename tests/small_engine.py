@@ -1,0 +1,10 @@
+"""The tests' engine budget, one place for the engine and server tests: 128 MiB of KV (2912 tokens of SmolLM2 in
+float32) and a 2048-token context. Several engines live in one session, also on a GPU, and every fresh engine process
+faults its cache in (about 1 CPU-s for 512 MiB on these VMs); the default max_model_len (8192) needs about 360 MiB."""
+
+from __future__ import annotations
+
+TEST_KV_BYTES = 128 * 2**20
+TEST_MAX_MODEL_LEN = 2048
+# Engine arguments (LLM, EngineArgs) for that budget; a test's own keywords come after it.
+SMALL_ENGINE = {"kv_cache_memory_bytes": TEST_KV_BYTES, "max_model_len": TEST_MAX_MODEL_LEN}
