@@ -10,6 +10,10 @@ bash scripts/setup.sh
 # time went idle while tests waited on servers and subprocess start-ups (docs/performance.md, session 21).
 # Work units: tests/conftest.py. FOLIO_TEST_WORKERS=0 runs it in one process (two threads).
 WORKERS=${FOLIO_TEST_WORKERS:-3}
+# pytest keeps each test module's assertion-rewritten bytecode in __pycache__ (as set-up's compileall keeps the rest)
+# only where Python may write bytecode: where PYTHONDONTWRITEBYTECODE is set (this machine, CI), every pytest process
+# rewrote and compiled every test module again at collection, 2-3 CPU-s of its 8 (docs/performance.md, session 27).
+unset PYTHONDONTWRITEBYTECODE
 if [ "$WORKERS" = 0 ]; then
   .venv/bin/python -m pytest -q "$@"
 else

@@ -70,8 +70,8 @@ _REFERENCE_MODEL_TESTS = (
 _SHARED_SERVER_MODULES = tuple(
     f"tests/server/test_{name}.py"
     for name in (
-        "beam_search", "chat", "completions", "concurrency", "data_parallel", "errors", "hostile_inputs", "metrics",
-        "quiet_disconnect", "stream_soak", "structured_outputs_server",
+        "beam_search", "bench_serve", "chat", "completions", "concurrency", "data_parallel", "errors", "hostile_inputs",
+        "loop_latency", "metrics", "quiet_disconnect", "stream_soak", "structured_outputs_server",
     )
 )  # fmt: skip
 # Directories of kernel tests: each test runs its kernels on two OpenMP threads, whatever OMP_NUM_THREADS the

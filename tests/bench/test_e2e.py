@@ -1,4 +1,5 @@
-"""Real runs of the CLI: `folio bench serve` against a `folio serve` subprocess, and the offline benchmarks."""
+"""Real runs of the CLI: the offline benchmarks (`folio bench serve` against the shared `folio serve`:
+tests/server/test_bench_serve.py)."""
 
 from __future__ import annotations
 
@@ -8,38 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.server.conftest import folio_script, start_server
+from tests.server.conftest import folio_script
 
 
 def _run(args: list[str], timeout_s: float = 120) -> subprocess.CompletedProcess[str]:
     proc = subprocess.run([folio_script(), "bench", *args], capture_output=True, text=True, timeout=timeout_s)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
-
-
-def test_bench_serve_against_folio_serve(tmp_path: Path) -> None:
-    server = start_server(tmp_path, "bench", ["--max-model-len", "512"])
-    try:
-        result_path, plot_path = tmp_path / "result.json", tmp_path / "plot.png"
-        proc = _run(
-            ["serve", "--base-url", server.base_url, "--dataset-name", "random", "--num-prompts", "8"]
-            + ["--random-input-len", "32", "--random-output-len", "8", "--request-rate", "20", "--seed", "1"]
-            + ["--goodput", "e2el:600000", "--save-result", str(result_path), "--plot-path", str(plot_path)]
-        )
-    finally:
-        server.stop()
-    assert "Serving Benchmark Result" in proc.stdout
-    result = json.loads(result_path.read_text())
-    assert result["completed"] == 8 and result["failed"] == 0
-    assert result["total_input_tokens"] == 8 * 32
-    assert result["total_output_tokens"] == 64
-    assert result["goodput_completed"] == 8
-    assert result["model"] == "SmolLM2-135M-Instruct"
-    assert all(0 < t <= e for t, e in zip(result["ttfts"], result["e2els"], strict=True))
-    assert result["mean_ttft_ms"] <= result["mean_e2el_ms"]
-    # at most one choice-bearing message per token (a server may merge tokens or skip empty text): <= 7 gaps
-    assert all(len(itl) <= 7 for itl in result["itls"])
-    assert plot_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 ENGINE = ["--kv-cache-memory-bytes", str(128 * 2**20), "--max-model-len", "512", "--dtype", "float32"]

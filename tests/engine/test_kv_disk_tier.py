@@ -3,7 +3,8 @@ it. Six distinct 80-token prompts are sent twice (two rounds); by the second rou
 gone device -> host -> disk and are loaded back from their files. Greedy outputs must equal the plain engine's (no
 tier), with files written and loaded, and again after a restart on the same directory (the shutdown flush leaves
 the prefix cache warm), and after files were damaged or deleted behind the engine's back (those loads fail and the
-tokens are recomputed).
+tokens are recomputed). Last, two tiny random Llamas of the same shapes share one directory: neither reads the
+other's files.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import pytest
 from folio import LLM, SamplingParams
 from folio.core.sched_stats import SchedulerStats
 from tests.engine.conftest import assert_no_leaks
+from tests.tiny_models import save_tiny_llama
 
 BLOCK = 16
 PROMPTS = [[(131 * i + 17 * j) % 5000 + 300 for j in range(5 * BLOCK)] for i in range(6)]
@@ -121,3 +123,57 @@ def test_damaged_or_missing_files_are_recomputed(plain: list[list[int]], tmp_pat
     stats = restarted.llm_engine.scheduler.get_stats()
     assert stats.kv_offload_disk_failed_loads_total > 0 and stats.kv_offload_blocks_from_disk_total > 0, stats
     assert [list(out.outputs[0].token_ids) for out in outputs] == plain[:6]
+
+
+TINY_PROMPT = [1 + (5 * i) % 90 for i in range(40)]  # ids below the tiny models' vocabulary of 96
+TINY_GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
+
+
+def _tiny_tiered(model: str, directory: Path) -> LLM:
+    # 64 device blocks, not the budget of TEST_KV_BYTES (65536 of the tiny model's 8 KiB blocks to build and zero)
+    return LLM(
+        model=model,
+        dtype="float32",
+        num_gpu_blocks_override=64,
+        max_model_len=256,
+        max_num_seqs=1,
+        kv_offloading_size=0.001,
+        kv_offloading_disk_path=str(directory),
+        kv_offloading_disk_size=0.01,
+    )
+
+
+def _tiny_tokens(llm: LLM) -> list[int]:
+    (output,) = llm.generate([{"prompt_token_ids": TINY_PROMPT}], TINY_GREEDY, use_tqdm=False)
+    assert_no_leaks(llm)
+    return list(output.outputs[0].token_ids)
+
+
+def test_a_directory_written_by_another_model_is_never_read(tmp_path: Path, tokenizer: Any) -> None:
+    """Two tiny random Llamas of identical shapes (only their weights differ) share one directory: model B starts
+    cold, never reads the files model A wrote (no disk hit, no failed load), leaves them as they were, and answers
+    as B does with no tier at all."""
+    model_a, model_b = (save_tiny_llama(tmp_path / f"tiny{seed}", seed, tokenizer) for seed in (0, 1))
+    disk = tmp_path / "kv"
+    a = _tiny_tiered(model_a, disk)
+    a_tokens = _tiny_tokens(a)
+    a.llm_engine.engine_core.shutdown()  # the flush: the prompt's 2 full blocks (40 + 7 computed tokens)
+    (a_dir,) = [path for path in disk.iterdir() if path.is_dir()]
+    a_files = sorted(path.name for path in a_dir.glob("*.kv"))
+    assert len(a_files) == 2
+    a_contents = {name: (a_dir / name).read_bytes() for name in a_files}
+
+    b = _tiny_tiered(model_b, disk)
+    b_disk = b.llm_engine.kv_cache_manager.disk_tier
+    assert b_disk is not None and b_disk.num_warm_blocks == 0
+    b_tokens = _tiny_tokens(b)
+    stats = b.llm_engine.scheduler.get_stats()
+    assert stats.kv_offload_blocks_from_disk_total == 0, stats
+    assert stats.external_prefix_cache_hits == 0 and stats.kv_offload_disk_failed_loads_total == 0, stats
+    b.llm_engine.engine_core.shutdown()
+    assert b_tokens != a_tokens, "the two models must answer differently, or a mix-up would not show"
+    fresh = LLM(model=model_b, dtype="float32", num_gpu_blocks_override=64, max_model_len=256)  # no tier at all
+    assert b_tokens == _tiny_tokens(fresh)
+    assert sorted(path.name for path in a_dir.glob("*.kv")) == a_files  # B wrote its own directory only
+    assert all((a_dir / name).read_bytes() == content for name, content in a_contents.items())
+    assert len([path for path in disk.iterdir() if path.is_dir()]) == 2

@@ -1,10 +1,11 @@
-"""A request that takes the server seconds of work must not stall the others: while a 10 MB prompt is tokenized
+"""A request that takes the server seconds of work must not stall the others: while a 2 MB prompt is tokenized
 (only to be refused: it is far over the context), /health keeps answering.
 
-Its own server: the 10 MB body must pass --max-request-body-bytes (8 MiB by default) to reach the tokenizer. The
-worst /health time is printed (the issue asks for under 100 ms; it took 10.56 s when tokenizing ran on the event
-loop); the assertion is only a hang guard. The probes are paced (one every PROBE_INTERVAL_S): a probe loop at full
-speed kept both cores busy answering /health for the whole tokenization, 4x the CPU of the rest of the test.
+On the shared server (2 MB is under the default --max-request-body-bytes of 8 MiB). The worst /health time is
+printed (the issue asks for under 100 ms; a 10 MB prompt's took 10.56 s when tokenizing ran on the event loop). Had
+the tokenization run on the event loop, a probe sent during it would wait for the rest of it: so the worst probe
+must take under half the big request's own time (and the hang guard). The probes are paced (one every
+PROBE_INTERVAL_S): a probe loop at full speed kept both cores busy answering /health for the whole tokenization.
 """
 
 from __future__ import annotations
@@ -12,39 +13,31 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Iterator
 
 import httpx
-import pytest
 
-from tests.server.conftest import ServerProcess, start_server
+from tests.server.conftest import ServerProcess
 
-PROMPT_BYTES = 10_000_000
-HEALTH_HANG_GUARD_S = 3.0  # a liveness probe's usual timeout; the tokenization itself takes several seconds
-PROBE_INTERVAL_S = 0.02  # ~250 probes over the ~5 s of tokenization
-
-
-@pytest.fixture(scope="module")
-def big_body_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    args = ["--max-model-len", "1024", "--max-request-body-bytes", str(16 * 2**20)]
-    proc = start_server(tmp_path_factory.mktemp("loop"), "loop-latency", args)
-    yield proc
-    proc.stop()
+PROMPT_BYTES = 2_000_000  # about 1.2 CPU-s of tokenization
+HEALTH_HANG_GUARD_S = 3.0  # a liveness probe's usual timeout
+PROBE_INTERVAL_S = 0.02  # ~50 probes over the tokenization
 
 
-def test_health_answers_while_a_10mb_prompt_is_tokenized(big_body_server: ServerProcess) -> None:
-    server = big_body_server
+def test_health_answers_while_a_2mb_prompt_is_tokenized(server: ServerProcess) -> None:
     prompt = ("hello world " * (PROMPT_BYTES // 12 + 1))[:PROMPT_BYTES]
     body = json.dumps({"prompt": prompt, "max_tokens": 1}).encode()
     result: dict[str, httpx.Response] = {}
+    big_seconds: list[float] = []
     answered = threading.Event()
 
     def send_big() -> None:
+        start = time.perf_counter()
         try:
             result["big"] = httpx.post(
                 server.url("/v1/completions"), content=body, headers={"content-type": "application/json"}, timeout=300
             )
         finally:
+            big_seconds.append(time.perf_counter() - start)
             answered.set()
 
     sender = threading.Thread(target=send_big)
@@ -63,6 +56,9 @@ def test_health_answers_while_a_10mb_prompt_is_tokenized(big_body_server: Server
     assert big.json()["error"]["code"] == "context_length_exceeded"
     worst = max(probe_times)
     print(
-        f"\n/health during a {PROMPT_BYTES / 1e6:.0f} MB prompt: {len(probe_times)} probes, worst {worst * 1000:.1f} ms"
+        f"\n/health during a {PROMPT_BYTES / 1e6:.0f} MB prompt ({big_seconds[0]:.2f} s): {len(probe_times)} probes,"
+        f" worst {worst * 1000:.1f} ms"
     )
+    assert len(probe_times) >= 5, "too few probes during the big request to see a stall"
+    assert worst < big_seconds[0] / 2, f"/health took {worst:.2f} s of the big request's {big_seconds[0]:.2f} s"
     assert worst < HEALTH_HANG_GUARD_S, f"/health took {worst:.2f} s while the big prompt was tokenized"
