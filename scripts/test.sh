@@ -3,9 +3,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+echo "scripts/test.sh: set-up done at ${SECONDS} s"
 .venv/bin/ruff check folio tests
 .venv/bin/ruff format --check folio tests
 .venv/bin/mypy --strict --follow-imports=silent folio/core
+echo "scripts/test.sh: lint and types done at ${SECONDS} s"
 # Three worker processes (pytest-xdist) on CI's two cores, one OpenMP thread each: with two, about 14% of the CPU
 # time went idle while tests waited on servers and subprocess start-ups (docs/performance.md, session 21).
 # Work units: tests/conftest.py. FOLIO_TEST_WORKERS=0 runs it in one process (two threads).
@@ -21,3 +23,4 @@ else
   # the cores (tests/kernels, tests/attention and tests/core under -n 3: 119-121 CPU-s spinning, 95-101 passive).
   OMP_WAIT_POLICY=PASSIVE OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q -n "$WORKERS" --durations=15 "$@"
 fi
+echo "scripts/test.sh: tests done at ${SECONDS} s"

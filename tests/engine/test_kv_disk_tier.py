@@ -127,20 +127,13 @@ def test_damaged_or_missing_files_are_recomputed(plain: list[list[int]], tmp_pat
 
 TINY_PROMPT = [1 + (5 * i) % 90 for i in range(40)]  # ids below the tiny models' vocabulary of 96
 TINY_GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
+# 64 device blocks, not the budget of TEST_KV_BYTES (65536 of the tiny model's 8 KiB blocks to build and zero)
+TINY_POOL: dict[str, Any] = dict(dtype="float32", num_gpu_blocks_override=64, max_model_len=256, max_num_seqs=1)
 
 
 def _tiny_tiered(model: str, directory: Path) -> LLM:
-    # 64 device blocks, not the budget of TEST_KV_BYTES (65536 of the tiny model's 8 KiB blocks to build and zero)
-    return LLM(
-        model=model,
-        dtype="float32",
-        num_gpu_blocks_override=64,
-        max_model_len=256,
-        max_num_seqs=1,
-        kv_offloading_size=0.001,
-        kv_offloading_disk_path=str(directory),
-        kv_offloading_disk_size=0.01,
-    )
+    disk = dict(kv_offloading_disk_path=str(directory), kv_offloading_disk_size=0.01)
+    return LLM(model=model, **TINY_POOL, kv_offloading_size=0.001, **disk)
 
 
 def _tiny_tokens(llm: LLM) -> list[int]:
@@ -172,8 +165,7 @@ def test_a_directory_written_by_another_model_is_never_read(tmp_path: Path, toke
     assert stats.external_prefix_cache_hits == 0 and stats.kv_offload_disk_failed_loads_total == 0, stats
     b.llm_engine.engine_core.shutdown()
     assert b_tokens != a_tokens, "the two models must answer differently, or a mix-up would not show"
-    fresh = LLM(model=model_b, dtype="float32", num_gpu_blocks_override=64, max_model_len=256)  # no tier at all
-    assert b_tokens == _tiny_tokens(fresh)
+    assert b_tokens == _tiny_tokens(LLM(model=model_b, **TINY_POOL))  # no tier at all
     assert sorted(path.name for path in a_dir.glob("*.kv")) == a_files  # B wrote its own directory only
     assert all((a_dir / name).read_bytes() == content for name, content in a_contents.items())
     assert len([path for path in disk.iterdir() if path.is_dir()]) == 2
