@@ -251,6 +251,7 @@ class Worker:
         spec = read_model_spec(self.config.model_config.model)
         self.dtype = resolve_dtype(self.config.model_config.dtype, spec.checkpoint_dtype, self.device)
         self.kv_dtype = resolve_kv_cache_dtype(self.config.cache_config.cache_dtype, self.dtype, self.device)
+        self._check_kv_budget_before_loading(spec)
         if self.config.model_config.model_impl == "noop":
             logger.info("No-op model with the shapes of %s (engine-overhead benchmarks only)", spec.architecture)
             return NoopCausalLM(spec, self.dtype, self.device), spec
@@ -290,6 +291,34 @@ class Worker:
         logger.info("%s%s", kernels.describe(), eager)
         return kernels
 
+    def _check_kv_budget_before_loading(self, spec: ModelSpec) -> None:
+        """A kv_cache_memory_bytes below one block fails before the weights are read (a large model loads for
+        minutes), where the block is known from the spec alone: one rank, no draft model (determine_num_blocks
+        checks every case again after loading)."""
+        cache = self.config.cache_config
+        speculative = self.config.speculative_config
+        if (
+            cache.kv_cache_memory_bytes is None
+            or cache.num_gpu_blocks_override is not None
+            or self.world.world_size > 1
+            or (speculative is not None and speculative.method == "draft_model")
+        ):
+            return
+        shape = KVCacheShape(
+            spec.num_hidden_layers, cache.block_size, spec.num_key_value_heads, spec.head_dim, self.kv_dtype
+        )
+        self._check_blocks(cache.kv_cache_memory_bytes, shape.bytes_per_block)
+
+    @staticmethod
+    def _check_blocks(budget: int, bytes_per_block: int) -> int:
+        """Blocks of ``bytes_per_block`` in ``budget``; a ValueError naming both if not even one."""
+        num_blocks = budget // bytes_per_block
+        if num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_memory_bytes {budget} holds no KV block (one block needs {bytes_per_block} bytes)"
+            )
+        return int(num_blocks)
+
     def determine_num_blocks(self) -> int:
         """Blocks that fit the KV budget: an override, kv_cache_memory_bytes, or the device's default."""
         cache = self.config.cache_config
@@ -301,12 +330,7 @@ class Worker:
             budget = self._profile_cuda_budget()
         else:  # the ranks share the machine's RAM: each takes its share of the default
             budget = default_cpu_kv_bytes() // self.world.world_size
-        num_blocks = budget // self.bytes_per_block
-        if num_blocks < 1:
-            raise ValueError(
-                f"kv_cache_memory_bytes {budget} holds no KV block (one block needs {self.bytes_per_block} bytes)"
-            )
-        return int(num_blocks)
+        return self._check_blocks(budget, self.bytes_per_block)
 
     def _profile_cuda_budget(self) -> int:
         """vLLM's rule: run the largest batch once, then give the KV cache what is left under the utilization cap."""

@@ -75,3 +75,19 @@ def test_engine_refuses_a_duplicate_request_id(llm: LLM) -> None:
             finished += [out for out in engine.step() if out.finished]
         assert [(out.request_id, out.prompt, out.outputs[0].token_ids) for out in finished] == [("dup", "Hello", alone)]
         assert_no_leaks(llm)
+
+
+def test_a_kv_budget_below_one_block_fails_before_the_weights_are_read(
+    llm: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The block's bytes come from the model's spec, so a budget too small for one fails before the load (minutes for
+    a large model), naming the same figure the loaded engine's worker uses."""
+    import folio.worker.worker as worker_module
+
+    bytes_per_block = llm.llm_engine.executor.worker.bytes_per_block
+    loads: list[object] = []
+    monkeypatch.setattr(worker_module, "load_model", lambda *args, **kwargs: loads.append(args))
+    message = f"kv_cache_memory_bytes {bytes_per_block - 1} holds no KV block \\(one block needs {bytes_per_block} "
+    with pytest.raises(ValueError, match=message):
+        LLM(dtype="float32", kv_cache_memory_bytes=bytes_per_block - 1)
+    assert loads == []
