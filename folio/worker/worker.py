@@ -1,4 +1,4 @@
-"""Worker: device setup, model load, KV-cache sizing (memory profiling on CUDA) and execute_model."""
+"""Worker: device setup, model load, KV-cache sizing (CUDA profiling; budget in blocks: kv_budget.py), execute_model."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from folio.spec_decode.ngram_proposer import NgramProposer
 from folio.worker.cpu_threads import CpuThreadGovernor
 from folio.worker.device import resolve_device, resolve_dtype, resolve_kv_cache_dtype
 from folio.worker.draft_runner import DraftModelRunner, load_draft_model
+from folio.worker.kv_budget import blocks_in_budget, check_budget_before_loading, report_capacity
 from folio.worker.kv_cache_shape import KVCacheShape, default_cpu_kv_bytes
 from folio.worker.kv_connector import RemoteKVLoader, WorkerKVConnector, kv_layout_fingerprint
 from folio.worker.kv_disk import DiskKVTransfer, open_disk_tier
@@ -67,7 +68,7 @@ class Worker:
         )
         num_blocks = self.world.min_int(self.determine_num_blocks())  # every rank holds every block
         config.cache_config.num_blocks = num_blocks
-        self._report_capacity(num_blocks)
+        report_capacity(config, num_blocks, self.bytes_per_block, self.kv_dtype)
         # The no-op model never touches K/V, so its KV cache is accounted (blocks) but not allocated.
         noop = isinstance(self.model, NoopCausalLM)
         # One block past the scheduler's num_blocks is scratch: padded rows of a CUDA-graph step write there.
@@ -251,7 +252,7 @@ class Worker:
         spec = read_model_spec(self.config.model_config.model)
         self.dtype = resolve_dtype(self.config.model_config.dtype, spec.checkpoint_dtype, self.device)
         self.kv_dtype = resolve_kv_cache_dtype(self.config.cache_config.cache_dtype, self.dtype, self.device)
-        self._check_kv_budget_before_loading(spec)
+        check_budget_before_loading(self.config, spec, self.world.world_size, self.kv_dtype)
         if self.config.model_config.model_impl == "noop":
             logger.info("No-op model with the shapes of %s (engine-overhead benchmarks only)", spec.architecture)
             return NoopCausalLM(spec, self.dtype, self.device), spec
@@ -291,34 +292,6 @@ class Worker:
         logger.info("%s%s", kernels.describe(), eager)
         return kernels
 
-    def _check_kv_budget_before_loading(self, spec: ModelSpec) -> None:
-        """A kv_cache_memory_bytes below one block fails before the weights are read (a large model loads for
-        minutes), where the block is known from the spec alone: one rank, no draft model (determine_num_blocks
-        checks every case again after loading)."""
-        cache = self.config.cache_config
-        speculative = self.config.speculative_config
-        if (
-            cache.kv_cache_memory_bytes is None
-            or cache.num_gpu_blocks_override is not None
-            or self.world.world_size > 1
-            or (speculative is not None and speculative.method == "draft_model")
-        ):
-            return
-        shape = KVCacheShape(
-            spec.num_hidden_layers, cache.block_size, spec.num_key_value_heads, spec.head_dim, self.kv_dtype
-        )
-        self._check_blocks(cache.kv_cache_memory_bytes, shape.bytes_per_block)
-
-    @staticmethod
-    def _check_blocks(budget: int, bytes_per_block: int) -> int:
-        """Blocks of ``bytes_per_block`` in ``budget``; a ValueError naming both if not even one."""
-        num_blocks = budget // bytes_per_block
-        if num_blocks < 1:
-            raise ValueError(
-                f"kv_cache_memory_bytes {budget} holds no KV block (one block needs {bytes_per_block} bytes)"
-            )
-        return int(num_blocks)
-
     def determine_num_blocks(self) -> int:
         """Blocks that fit the KV budget: an override, kv_cache_memory_bytes, or the device's default."""
         cache = self.config.cache_config
@@ -330,7 +303,7 @@ class Worker:
             budget = self._profile_cuda_budget()
         else:  # the ranks share the machine's RAM: each takes its share of the default
             budget = default_cpu_kv_bytes() // self.world.world_size
-        return self._check_blocks(budget, self.bytes_per_block)
+        return blocks_in_budget(budget, self.bytes_per_block)
 
     def _profile_cuda_budget(self) -> int:
         """vLLM's rule: run the largest batch once, then give the KV cache what is left under the utilization cap."""
@@ -370,17 +343,6 @@ class Worker:
         logits = self.model.compute_logits(hidden[-min(sched.max_num_seqs, num_tokens) :])
         del caches, hidden
         return logits
-
-    def _report_capacity(self, num_blocks: int) -> None:
-        block_size = self.config.cache_config.block_size
-        max_len = self.config.scheduler_config.max_model_len
-        num_tokens = num_blocks * block_size
-        gib = num_blocks * self.bytes_per_block / 2**30
-        dtype = str(self.kv_dtype).removeprefix("torch.")
-        logger.info(
-            "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB, %s)", num_blocks, block_size, num_tokens, gib, dtype
-        )
-        logger.info("Maximum concurrency for %d tokens per request: %.2fx", max_len, num_tokens / max_len)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self._govern_threads()
