@@ -138,7 +138,8 @@ _unit_seconds: dict[str, float] = {}
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     """Under xdist, the controller sees every worker's reports here too."""
-    _unit_seconds[work_unit(report.nodeid)] = _unit_seconds.get(work_unit(report.nodeid), 0.0) + report.duration
+    unit = work_unit(report.nodeid)
+    _unit_seconds[unit] = _unit_seconds.get(unit, 0.0) + report.duration
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
