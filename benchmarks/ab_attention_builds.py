@@ -57,15 +57,21 @@ def run_decode(
     num_rows: int = 64,
     ctx: tuple[int, int] = (110, 290),
     shared_blocks: int = 0,
+    scattered: bool = False,
 ) -> None:
-    """``shared_blocks``: the first blocks of every row's table are the same ones (a shared system prompt)."""
+    """``shared_blocks``: the first blocks of every row's table are the same ones (a shared system prompt);
+    ``scattered``: the rows' own blocks in a random order over the cache, as a pool that has evicted and reused
+    blocks for a while hands them out (no hardware prefetcher follows a table from block to block)."""
     rng = random.Random(0)
     seq_lens = [rng.randint(*ctx) for _ in range(num_rows)]
     if min(seq_lens) <= shared_blocks * BLOCK_SIZE:
         raise SystemExit("--decode-shared-blocks must leave every row a block of its own")
     own = contiguous_tables([s - shared_blocks * BLOCK_SIZE for s in seq_lens])
-    tables = [list(range(shared_blocks)) + [shared_blocks + b for b in table] for table in own]
     num_blocks = shared_blocks + sum(len(t) for t in own)
+    placement = list(range(shared_blocks, num_blocks))
+    if scattered:
+        rng.shuffle(placement)
+    tables = [list(range(shared_blocks)) + [placement[b] for b in table] for table in own]
     longest = [list(range(-(-max(seq_lens) // BLOCK_SIZE)))]
     attn = build_attn_metadata([1] * num_rows, seq_lens, tables, BLOCK_SIZE)
     attn_shared = build_attn_metadata([1] * num_rows, seq_lens, longest * num_rows, BLOCK_SIZE)
@@ -88,7 +94,8 @@ def run_decode(
                     backend.forward(q, k, v, cache, step_attn, HEAD_DIM**-0.5)
                 best[(i, place)] = min(best[(i, place)], time.perf_counter() - start)
     print(
-        f"decode attention, {num_rows} rows (contexts {ctx[0]}-{ctx[1]}, {shared_blocks} blocks shared) x "
+        f"decode attention, {num_rows} rows (contexts {ctx[0]}-{ctx[1]}, {shared_blocks} blocks shared, "
+        f"{'scattered' if scattered else 'contiguous'} blocks) x "
         f"{NUM_LAYERS} layers, {dtype}, ms per step, best of {repeats}:"
     )
     for i, path in enumerate(paths):
@@ -109,12 +116,17 @@ def main() -> None:
     parser.add_argument(
         "--decode-shared-blocks", type=int, default=0, help="--decode: leading blocks every row shares (default 0)"
     )
+    parser.add_argument(
+        "--decode-scattered", action="store_true", help="--decode: the rows' blocks in a random order over the cache"
+    )
     ns = parser.parse_args()
     dtype = getattr(torch, ns.dtype)
     backends = [backend_for(path) for path in ns.libraries]
     if ns.decode:
         ctx = (ns.decode_ctx[0], ns.decode_ctx[1])
-        run_decode(backends, ns.libraries, dtype, ns.repeats, ns.decode_rows, ctx, ns.decode_shared_blocks)
+        run_decode(
+            backends, ns.libraries, dtype, ns.repeats, ns.decode_rows, ctx, ns.decode_shared_blocks, ns.decode_scattered
+        )
         return
     rng = random.Random(0)
     seq_lens = [rng.randint(*ns.prompt_len) for _ in range(ns.num_prompts)]

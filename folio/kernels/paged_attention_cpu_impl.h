@@ -49,19 +49,23 @@ static void CAT(attend_generic_, KV_SUFFIX)(const ITEM *it, const float *q, floa
 
 #if defined(__AVX512F__) || PAGED_ATTN_AVX2
 /* Asks for the K or V rows of one KV head of one block (rows positions, pos_stride elements apart), all at once:
- * the decode passes call it one block ahead of the block they compute. always_inline: gcc takes a function whose
+ * the decode passes call it one block ahead of the block they compute. Into L2 (prefetcht1), not L1: a block-head
+ * is 32-64 lines, more than L1's miss buffers hold, and a T0 prefetch that finds them full stalls the core
+ * (perf put a quarter of the kernel's samples on prefetcht0). With blocks scattered over a 2-core Zen 5 VM's
+ * DRAM, 12 rows of 800-1800 positions x 30 layers: float32 46-52 -> 31-36 ms a step, bfloat16 39.6 -> 21.2,
+ * at the avx2 tier 64.6 -> 40.2 (docs/performance.md, session 28). always_inline: gcc takes a function whose
  * only effect is prefetching for one without effects, and deletes the calls to it. */
 static inline __attribute__((always_inline)) void CAT(prefetch_block_head_, KV_SUFFIX)(
     const KV_T *rows_start, int64_t rows, int64_t pos_stride, int64_t head_dim) {
     const char *first = (const char *)rows_start;
     const int64_t row_bytes = head_dim * (int64_t)sizeof(KV_T);
     if (pos_stride == head_dim) { /* head-major: the rows are one run */
-        for (int64_t byte = 0; byte < rows * row_bytes; byte += 64) _mm_prefetch(first + byte, _MM_HINT_T0);
+        for (int64_t byte = 0; byte < rows * row_bytes; byte += 64) _mm_prefetch(first + byte, _MM_HINT_T1);
         return;
     }
     for (int64_t j = 0; j < rows; ++j)
         for (int64_t byte = 0; byte < row_bytes; byte += 64)
-            _mm_prefetch(first + j * pos_stride * (int64_t)sizeof(KV_T) + byte, _MM_HINT_T0);
+            _mm_prefetch(first + j * pos_stride * (int64_t)sizeof(KV_T) + byte, _MM_HINT_T1);
 }
 #endif
 
