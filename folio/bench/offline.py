@@ -83,8 +83,9 @@ def add_throughput_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--compare-rounds",
         type=int,
-        default=3,
-        help="--compare-speculative: alternating rounds per engine; the median round of each is reported (default 3)",
+        default=None,
+        help="--compare-speculative / --compare-offloading: alternating rounds per side, the median round of each "
+        "reported (default 3 for --compare-speculative, 1 for --compare-offloading, whose rounds take minutes)",
     )
 
 

@@ -91,14 +91,15 @@ def cmd_compare_speculative(ns: argparse.Namespace) -> int:
         raise ValueError("--compare-speculative needs --speculative-config (the second run's speculation)")
     if ns.dataset_name == "multi_turn":
         raise ValueError("--compare-speculative does not run the multi_turn dataset")
-    if ns.compare_rounds < 1:
-        raise ValueError(f"compare_rounds must be >= 1, got {ns.compare_rounds}")
+    rounds = 3 if ns.compare_rounds is None else ns.compare_rounds
+    if rounds < 1:
+        raise ValueError(f"compare_rounds must be >= 1, got {rounds}")
     base_llm, requests, params = _engine(ns, speculative_config=None)
     spec_llm, _, _ = _engine(ns)
     prompts = [r.prompt_token_ids for r in requests]
     base_runs: list[SteppedRun] = []
     spec_runs: list[SteppedRun] = []
-    for _ in range(ns.compare_rounds):
+    for _ in range(rounds):
         for llm, runs in ((base_llm, base_runs), (spec_llm, spec_runs)):
             if not llm.reset_prefix_cache():  # every round prefills its prompts, as the first did
                 raise RuntimeError("the prefix cache could not be reset: a request still holds blocks")
@@ -108,7 +109,7 @@ def cmd_compare_speculative(ns: argparse.Namespace) -> int:
     mean_prompt = statistics.fmean(r.prompt_len for r in requests)
     print(
         f"{len(requests)} requests of {ns.dataset_name} (mean prompt {mean_prompt:.0f} tokens), greedy, "
-        f"max_num_seqs {ns.max_num_seqs}; the median of {ns.compare_rounds} alternating rounds per side"
+        f"max_num_seqs {ns.max_num_seqs}; the median of {rounds} alternating rounds per side"
     )
     for run in (base, spec):
         print(run.line())
