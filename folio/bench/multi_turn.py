@@ -12,8 +12,9 @@ TTFT is measured per request from its submission to the step that returned its f
 same), and prints both, their ratio, the tokens recomputed after preemption in each run and whether the greedy
 outputs were identical in every run (exit 1 if not). ``--compare-rounds N`` repeats the pair N times, each run on
 a fresh engine, the order swapped every round (without/with, then with/without, ...), and reports each side's
-median run: on this project's 2-core VMs the run that came second in a process was measured 4-10% slower than
-the same run first, which a single fixed order charges to one side.
+median run. On this project's 2-core VMs one side's time moves by several percent from run to run (the run with
+the host tier: 85-96 s within one session), so a single pair can land on either side of a target; alternating
+the order keeps a slow spell, or any cost of coming second in the process, off one side only.
 """
 
 from __future__ import annotations
@@ -228,8 +229,7 @@ def _one_run(ns: argparse.Namespace, label: str, **overrides: Any) -> tuple[Mult
 
 
 def _median(runs: list[MultiTurnRun]) -> MultiTurnRun:
-    """The run of median elapsed time (the upper one of an even count: the conservative pick for a ratio of bests
-    would be the faster one)."""
+    """The run of median elapsed time (of an even count, the slower of the middle two)."""
     return sorted(runs, key=lambda r: r.elapsed_s)[len(runs) // 2]
 
 
