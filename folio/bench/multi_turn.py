@@ -212,7 +212,8 @@ def _describe(llm: Any, workload: MultiTurnWorkload, ns: argparse.Namespace) -> 
         f"{ns.multi_turn_system_len}, user {ns.multi_turn_user_len}, output {workload.output_len} tokens); working "
         f"set {working_blocks} blocks of {cache.block_size} tokens; device KV pool {cache.num_blocks} blocks "
         f"({100 * cache.num_blocks / working_blocks:.0f}% of it); host tier {cache.num_host_blocks} blocks; "
-        f"turns arrive {'in waves' if ns.multi_turn_arrival == 'waves' else 'closed-loop'}"
+        f"turns arrive {'in waves' if ns.multi_turn_arrival == 'waves' else 'closed-loop'}; --dtype {ns.dtype}, "
+        f"--kv-cache-dtype {ns.kv_cache_dtype}"
     )
 
 

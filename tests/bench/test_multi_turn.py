@@ -131,6 +131,7 @@ def test_compare_offloading_runs_end_to_end(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "Greedy outputs identical: yes (12 turns, every one of 4 runs)" in proc.stdout
     assert "Ratio (with / without host tier): total throughput" in proc.stdout
+    assert "turns arrive in waves; --dtype float32, --kv-cache-dtype auto" in proc.stdout  # what the K/V cost read
     result = json.loads(out.read_text())
     assert result["greedy_identical"] is True and result["rounds"] == 2
     for key in ("without", "with"):
