@@ -31,6 +31,19 @@ from folio.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("folio")
 
+# The last governor's (quiet thread count, count it set). torch's thread count is process-wide: an engine dropped
+# while its governor had taken threads away leaves torch there, and the next engine in the process (a benchmark's
+# fresh engine per run) would take that as its quiet count and never probe above it.
+_last_governed_threads: tuple[int, int] | None = None
+
+
+def quiet_thread_count() -> int:
+    """torch's thread count, unless it is the count a governor set: then that governor's quiet count."""
+    current = torch.get_num_threads()
+    if _last_governed_threads is not None and _last_governed_threads[1] == current:
+        return _last_governed_threads[0]
+    return current
+
 
 class Worker:
     def __init__(
@@ -57,8 +70,9 @@ class Worker:
         # One governor from the start: loading (dequantize, pack, zero the KV cache) is OpenMP regions too, and on
         # cores another process takes, every one of them waits for a descheduled thread (a 1 s load took minutes).
         adaptive = self.device.type == "cpu" and config.cpu_config.adaptive_threads
-        self._threads = CpuThreadGovernor(torch.get_num_threads()) if adaptive else None
+        self._threads = CpuThreadGovernor(quiet_thread_count()) if adaptive else None
         self._threads_logged: int | None = None
+        self._govern_threads()  # from the quiet count, whatever an earlier engine in the process left
         self.model, self.spec = self._load()
         self.kv_shape = self._kv_shape(self.model, self.spec)
         # The draft model (speculative_config method "draft_model") before sizing: its K/V share each block.
@@ -363,6 +377,8 @@ class Worker:
             )
             self._threads_logged = threads if first else self._threads_logged
             torch.set_num_threads(threads)
+            global _last_governed_threads
+            _last_governed_threads = (self._threads.max_threads, threads)
 
 
 def profile_prefill_lens(num_tokens: int, max_model_len: int) -> list[int]:

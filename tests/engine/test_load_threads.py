@@ -66,3 +66,35 @@ def test_each_tensor_loads_on_the_governors_thread_count(
     assert all(torch_threads == governed for torch_threads, governed in seen), seen
     assert seen[0][0] == threads  # the first tensor already: the window began with the worker
     assert {torch_threads for torch_threads, _ in seen} == ({1, 2} if lost_cores else {2})  # busy: probes too
+
+
+def test_a_later_engine_in_the_process_starts_from_the_quiet_count(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """An engine whose governor left torch on fewer threads (a neighbour came and went, the engine was dropped
+    mid-reduction) must not hand that count to the next engine in the process as its quiet count: the benchmark's
+    --compare-rounds builds a fresh engine per run, and every later one ran on one thread of two for good."""
+    model_dir = save_tiny_llama(tmp_path)
+    monkeypatch.setattr(ScriptedGovernor, "built", [])
+    monkeypatch.setattr(worker_module, "CpuThreadGovernor", ScriptedGovernor)
+    original_threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        monkeypatch.setattr(ScriptedGovernor, "lost_cores", 1.0)
+        first = LLM(model=model_dir, device="cpu", dtype="float32", kv_cache_memory_bytes=2**24, max_model_len=256)
+        worker = first.llm_engine.engine_core.executor.worker
+        for _ in range(10):  # steps under the neighbour until a window has taken the thread away (not a probe's)
+            worker._govern_threads()
+            if torch.get_num_threads() == 1:
+                break
+        assert ScriptedGovernor.built[-1].threads == 1 and torch.get_num_threads() == 1  # left reduced
+        del first, worker
+        monkeypatch.setattr(ScriptedGovernor, "lost_cores", 0.0)
+        LLM(model=model_dir, device="cpu", dtype="float32", kv_cache_memory_bytes=2**24, max_model_len=256)
+        assert ScriptedGovernor.built[-1].max_threads == 2
+        assert torch.get_num_threads() == 2  # a quiet machine: the second engine runs on both
+        torch.set_num_threads(1)  # set by hand, not by a governor: a later engine keeps it
+        LLM(model=model_dir, device="cpu", dtype="float32", kv_cache_memory_bytes=2**24, max_model_len=256)
+        assert ScriptedGovernor.built[-1].max_threads == 1
+    finally:
+        torch.set_num_threads(original_threads)
