@@ -3,6 +3,7 @@ other's top-5 logprobs at that step (after it the two sequences continue from di
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,13 +46,15 @@ def hf_greedy_many(model: Any, prompts: list[list[int]], num_new: int) -> list[G
     x 32 tokens took 29-33 CPU-s against 8.7, with the same tokens and top-5 sets at every step."""
     from transformers import DynamicCache
 
+    # transformers 5.24 renamed the forward's past_key_values to cache (the old name warns until 5.40)
+    cache_name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     width = max(len(p) for p in prompts)
     prefills = [model(torch.tensor([p]), use_cache=True) for p in prompts]
     cache = DynamicCache()
-    for layer in range(len(prefills[0].past_key_values.layers)):
+    for layer in range(len(prefills[0][cache_name].layers)):
         padded = []
         for prompt, out in zip(prompts, prefills, strict=True):
-            layer_cache = out.past_key_values.layers[layer]
+            layer_cache = out[cache_name].layers[layer]
             pad = (0, 0, width - len(prompt), 0)  # left, along the sequence dimension of [1, heads, seq, dim]
             padded.append(
                 (torch.nn.functional.pad(layer_cache.keys, pad), torch.nn.functional.pad(layer_cache.values, pad))
@@ -69,6 +72,6 @@ def hf_greedy_many(model: Any, prompts: list[list[int]], num_new: int) -> list[G
         if step + 1 == num_new:
             break
         mask = torch.cat([mask, torch.ones(len(prompts), 1, dtype=mask.dtype)], dim=1)
-        out = model(tokens[:, None], attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
-        cache, logits, positions = out.past_key_values, out.logits[:, -1].float(), positions + 1
+        out = model(tokens[:, None], attention_mask=mask, position_ids=positions, use_cache=True, **{cache_name: cache})
+        cache, logits, positions = out[cache_name], out.logits[:, -1].float(), positions + 1
     return runs
