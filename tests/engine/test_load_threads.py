@@ -77,6 +77,7 @@ def test_a_later_engine_in_the_process_starts_from_the_quiet_count(
     model_dir = save_tiny_llama(tmp_path)
     monkeypatch.setattr(ScriptedGovernor, "built", [])
     monkeypatch.setattr(worker_module, "CpuThreadGovernor", ScriptedGovernor)
+    monkeypatch.setattr(worker_module, "_last_governed_threads", None)  # this test's engines only; restored after
     original_threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
