@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from folio.bench.datasets import MultiTurnWorkload, multi_turn_from_args
+from folio.bench.rounds import median_run, num_rounds
 from folio.bench.stepping import RequestStepper, run_stepped
 from folio.core.sched_output import ModelRunnerOutput, SchedulerOutput
 
@@ -229,11 +230,6 @@ def _one_run(ns: argparse.Namespace, label: str, **overrides: Any) -> tuple[Mult
     return run, description
 
 
-def _median(runs: list[MultiTurnRun]) -> MultiTurnRun:
-    """The run of median elapsed time (of an even count, the slower of the middle two)."""
-    return sorted(runs, key=lambda r: r.elapsed_s)[len(runs) // 2]
-
-
 def _compare_offloading(ns: argparse.Namespace, rounds: int) -> tuple[list[MultiTurnRun], list[MultiTurnRun], str]:
     """``rounds`` runs of each side, alternating which goes first: (without runs, with runs, description)."""
     base_runs: list[MultiTurnRun] = []
@@ -259,11 +255,9 @@ def cmd_multi_turn(ns: argparse.Namespace) -> int:
         return 0
     if not ns.kv_offloading_size > 0:
         raise ValueError("--compare-offloading needs --kv-offloading-size > 0 (the host tier of the second run)")
-    rounds = 1 if ns.compare_rounds is None else ns.compare_rounds
-    if rounds < 1:
-        raise ValueError(f"compare_rounds must be >= 1, got {rounds}")
+    rounds = num_rounds(ns.compare_rounds, default=1)  # a round of the default workload takes minutes
     base_runs, tier_runs, description = _compare_offloading(ns, rounds)
-    base, tier = _median(base_runs), _median(tier_runs)
+    base, tier = median_run(base_runs), median_run(tier_runs)
     print(description)
     if rounds > 1:
         print(f"Each side's median of {rounds} runs (the order swapped every round); every run's elapsed seconds:")

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from folio.bench.datasets import SampleRequest
+from folio.bench.rounds import median_run, num_rounds
 from folio.bench.stepping import SteppedRun, run_stepped
 
 
@@ -80,20 +81,12 @@ def _engine(ns: argparse.Namespace, **overrides: Any) -> tuple[Any, list[SampleR
     return llm, requests, params
 
 
-def _median_run(label: str, runs: list[SteppedRun]) -> SpecRun:
-    """The round of median elapsed time (rounds alternate between the two engines, so that a slow spell of this
-    shared machine falls on both sides)."""
-    return SpecRun(label, sorted(runs, key=lambda r: r.elapsed_s)[len(runs) // 2])
-
-
 def cmd_compare_speculative(ns: argparse.Namespace) -> int:
     if not ns.speculative_config:
         raise ValueError("--compare-speculative needs --speculative-config (the second run's speculation)")
     if ns.dataset_name == "multi_turn":
         raise ValueError("--compare-speculative does not run the multi_turn dataset")
-    rounds = 3 if ns.compare_rounds is None else ns.compare_rounds
-    if rounds < 1:
-        raise ValueError(f"compare_rounds must be >= 1, got {rounds}")
+    rounds = num_rounds(ns.compare_rounds, default=3)
     base_llm, requests, params = _engine(ns, speculative_config=None)
     spec_llm, _, _ = _engine(ns)
     prompts = [r.prompt_token_ids for r in requests]
@@ -104,8 +97,8 @@ def cmd_compare_speculative(ns: argparse.Namespace) -> int:
             if not llm.reset_prefix_cache():  # every round prefills its prompts, as the first did
                 raise RuntimeError("the prefix cache could not be reset: a request still holds blocks")
             runs.append(run_stepped(llm.llm_engine, prompts, params))
-    base = _median_run("without speculation", base_runs)
-    spec = _median_run(f"with {ns.speculative_config}", spec_runs)
+    base = SpecRun("without speculation", median_run(base_runs))
+    spec = SpecRun(f"with {ns.speculative_config}", median_run(spec_runs))
     mean_prompt = statistics.fmean(r.prompt_len for r in requests)
     print(
         f"{len(requests)} requests of {ns.dataset_name} (mean prompt {mean_prompt:.0f} tokens), greedy, "
