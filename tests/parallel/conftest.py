@@ -76,9 +76,11 @@ def shm_segments(pid: int) -> list[str]:
         return sorted({line.split(maxsplit=5)[-1].strip() for line in maps if "/folio_tp_" in line})
 
 
-def shm_names() -> set[str]:
-    """The segment names present in /dev/shm (none is left once the ranks have started, whatever dies later)."""
-    return {name for name in os.listdir("/dev/shm") if name.startswith("folio_tp_")}
+def shm_names(creator_pids: list[int]) -> set[str]:
+    """The segment names in /dev/shm that these processes created (none is left once the ranks have started,
+    whatever dies later). Only theirs: another test's engine on a parallel test worker makes its own meanwhile."""
+    prefixes = tuple(f"folio_tp_{pid}_" for pid in creator_pids)
+    return {name for name in os.listdir("/dev/shm") if name.startswith(prefixes)}
 
 
 def kill_rank_mid_run(

@@ -204,13 +204,13 @@ def test_tp2_through_shared_memory_gives_the_exact_gloo_outputs(
         expected = _outputs(gloo)
     finally:
         shutdown(gloo)
-    names_before = shm_names()
     llm = make_engine(tiny_model, tensor_parallel_size=2)  # the default on the CPU
     try:
         assert llm.llm_engine.config.parallel_config.cpu_allreduce == "shm"
         segments = [shm_segments(pid) for pid in llm.llm_engine.executor.worker_pids]
         assert len(segments[0]) == 1 and segments[0] == segments[1] and segments[0][0].endswith(" (deleted)")
-        assert shm_names() == names_before
+        assert segments[0][0].startswith(f"/dev/shm/folio_tp_{llm.llm_engine.executor.worker_pids[0]}_")  # rank 0's
+        assert shm_names(llm.llm_engine.executor.worker_pids) == set()
         assert _outputs(llm) == expected
     finally:
         shutdown(llm)
