@@ -128,6 +128,8 @@ class CpuConfig:
     kv_prefetch_bytes: int | None = None
     # fewer kernel threads while other processes take cores (folio/worker/cpu_threads.py)
     adaptive_threads: bool = True
+    # the packed weights and the KV cache on 2 MiB pages (folio/kernels/hugepages.py): faster decode, slower start
+    huge_pages: bool = True
 
     def __post_init__(self) -> None:
         resolve_cpu_isa(self.isa, cpu_info()[1], is_x86_64())  # a clear error now, not in the engine process
@@ -267,6 +269,7 @@ class EngineArgs:
     cpu_isa: str = "auto"  # CPU kernels' ISA tier: auto, generic, avx2, avx512, avx512_bf16 (not above the CPU's)
     cpu_kv_prefetch_bytes: int | None = None  # fused CPU decoder's K/V prefetch budget (None: half the L3)
     cpu_adaptive_threads: bool = True  # fewer kernel threads while other processes take cores
+    cpu_huge_pages: bool = True  # packed weights and KV cache on 2 MiB pages (off: faster start on some VMs)
     # {"backend": "auto" | "guidance" | "xgrammar"} (vLLM's name), or a StructuredOutputsConfig
     structured_outputs_config: StructuredOutputsConfig | dict[str, object] | None = None
     # {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n, "prompt_lookup_min": m} (vLLM's
@@ -379,6 +382,7 @@ class EngineArgs:
                 isa=self.cpu_isa,
                 kv_prefetch_bytes=self.cpu_kv_prefetch_bytes,
                 adaptive_threads=self.cpu_adaptive_threads,
+                huge_pages=self.cpu_huge_pages,
             ),
             structured_outputs_config=structured_outputs_config,
             speculative_config=speculative_config,

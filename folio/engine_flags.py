@@ -141,6 +141,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "(default on)",
     )
     g.add_argument(
+        "--cpu-huge-pages",
+        action=argparse.BooleanOptionalAction,
+        default=d.cpu_huge_pages,
+        help="CPU: put the packed weights and the KV cache on 2 MiB pages (default on): fewer TLB misses, decode "
+        "about 20%% faster at batch 1 on a Zen 5 VM; off starts faster on VMs where a huge page's first touch is "
+        "slow (a 4 GiB cache: seconds)",
+    )
+    g.add_argument(
         "--structured-outputs-config",
         type=json_object_arg,
         default=None,

@@ -82,8 +82,8 @@ class CpuGemm:
             and (weight.dtype != torch.bfloat16 or weight.shape[1] % 2 == 0)
         )
 
-    def pack_all(self, weights: list[torch.Tensor]) -> list[PackedWeight]:
-        """Packs every weight [n, k] (one dtype) into one huge-page-backed arena."""
+    def pack_all(self, weights: list[torch.Tensor], huge_pages: bool = True) -> list[PackedWeight]:
+        """Packs every weight [n, k] (one dtype) into one arena, backed by huge pages where ``huge_pages``."""
         if not weights:
             return []
         dtype = weights[0].dtype
@@ -94,7 +94,7 @@ class CpuGemm:
             offsets.append(total)
             numel = int(self._numel[dtype](w.shape[0], w.shape[1]))
             total += -(-numel // _ALIGN_ELEMS) * _ALIGN_ELEMS
-        arena = empty_hugepage_backed(total, dtype)
+        arena = empty_hugepage_backed(total, dtype, huge_pages)
         packed = []
         for w, offset in zip(weights, offsets, strict=True):
             n, k = w.shape
@@ -151,9 +151,9 @@ class CpuGemm:
         )
         return out if status == 0 else None
 
-    def build_screen(self, weight: torch.Tensor) -> ArgmaxScreen | None:
-        """The bfloat16 screen of a float32 weight [n, k] for ``argmax``; None where it cannot apply (not float32,
-        an odd k, or a weight that is not finite)."""
+    def build_screen(self, weight: torch.Tensor, huge_pages: bool = True) -> ArgmaxScreen | None:
+        """The bfloat16 screen of a float32 weight [n, k] for ``argmax`` (packed as ``pack_all`` packs); None
+        where it cannot apply (not float32, an odd k, or a weight that is not finite)."""
         if weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[1] % 2 or weight.numel() == 0:
             return None
         # One pass, no temporaries (an LM head is 100+ MB): min and max propagate NaN, and are finite only where
@@ -168,7 +168,7 @@ class CpuGemm:
             [torch.linalg.vector_norm(rows, dim=1, dtype=torch.float64) for rows in weight.split(_SCREEN_NORM_ROWS)]
         )
         w_norm = (w_norm * (1 + 1e-6)).float().contiguous()
-        (packed,) = self.pack_all([weight.to(torch.bfloat16)])
+        (packed,) = self.pack_all([weight.to(torch.bfloat16)], huge_pages)
         return ArgmaxScreen(packed, w_norm, w_abs_max)
 
     def screened_argmax(

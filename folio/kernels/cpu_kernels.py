@@ -45,6 +45,7 @@ class CpuKernels:
     gemm: CpuGemm | None = field(default=None)
     ops: CpuOps | None = field(default=None)
     block_copy: BlockCopy = field(default=aten_copy_blocks)  # the KV block copies the plan chose
+    huge_pages: bool = True  # packed weights on huge pages (an engine's choice: cpu_huge_pages)
 
     @property
     def tier(self) -> IsaTier:

@@ -3,6 +3,8 @@
 Why: the weights of a decode step stream from memory once per step, and each 4 KiB page boundary costs a TLB
 miss and stops the hardware prefetcher. Linux's default THP mode on many servers is "madvise": a region gets
 huge pages only when asked, before its first touch. Elsewhere (other OSes, THP off) this is a plain tensor.
+The engine argument cpu_huge_pages turns the advice off: on VMs whose host takes freed memory back (page
+reporting), a huge page's first touch cost 5-10x a small page's, seconds per GiB at start (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -31,14 +33,14 @@ def _madvise() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     return fn
 
 
-def empty_hugepage_backed(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialized 1-D CPU tensor of numel elements, starting on a 2 MiB boundary and advised to use huge
-    pages (a no-op where that is not possible: the tensor is the same either way)."""
+def empty_hugepage_backed(numel: int, dtype: torch.dtype, huge_pages: bool = True) -> torch.Tensor:
+    """An uninitialized 1-D CPU tensor of numel elements, starting on a 2 MiB boundary and, with ``huge_pages``,
+    advised to use huge pages (a no-op where that is not possible: the tensor is the same either way)."""
     nbytes = numel * dtype.itemsize
     raw = torch.empty(nbytes + _HUGE_PAGE, dtype=torch.uint8)
     start = -raw.data_ptr() % _HUGE_PAGE
     aligned = raw[start : start + nbytes]
-    madvise = _madvise()
+    madvise = _madvise() if huge_pages else None
     huge_bytes = nbytes - nbytes % _HUGE_PAGE
     if madvise is not None and huge_bytes:
         madvise(aligned.data_ptr(), huge_bytes, _MADV_HUGEPAGE)  # advice only: a failure changes nothing

@@ -193,7 +193,7 @@ class LlamaForCausalLM(nn.Module):
         weights = [m.weight.data for m in linears]
         head_weight = self.model.embed_tokens.weight.data if self.lm_head is None else self.lm_head.weight.data
         if kernels.plan.lm_head_argmax == "folio_bf16_screen" and kernels.gemm is not None:
-            self.lm_head_screen = kernels.gemm.build_screen(head_weight)
+            self.lm_head_screen = kernels.gemm.build_screen(head_weight, kernels.huge_pages)
         if self.lm_head is None:
             weights.append(head_weight)
         packed = pack_weights(weights, kernels)

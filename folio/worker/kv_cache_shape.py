@@ -25,6 +25,7 @@ class KVCacheShape:
     head_dim: int
     dtype: torch.dtype
     head_major: bool = False  # the attention backend's kv_cache_head_major
+    huge_pages: bool = True  # CPU caches on 2 MiB pages (cpu_huge_pages)
 
     @property
     def bytes_per_block(self) -> int:
@@ -50,7 +51,7 @@ class KVCacheShape:
             return torch.zeros(shape, dtype=self.dtype, device=device)
         numel = math.prod(shape)
         offset = (layer * _LAYER_LINE_STRIDE) % _LAYER_OFFSET_LINES * 64 // self.dtype.itemsize
-        backing = empty_hugepage_backed(numel + offset, self.dtype)
+        backing = empty_hugepage_backed(numel + offset, self.dtype, self.huge_pages)
         return backing[offset:].zero_().view(shape)
 
 

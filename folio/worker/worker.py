@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 
 import torch
 
@@ -133,6 +134,7 @@ class Worker:
             head_dim=spec.head_dim,
             dtype=self.kv_dtype,
             head_major=isinstance(model, LlamaForCausalLM) and model.attn_backend.kv_cache_head_major,
+            huge_pages=self.config.cpu_config.huge_pages,
         )
 
     def _kv_heads_held(self, model: LlamaForCausalLM | NoopCausalLM, spec: ModelSpec) -> int:
@@ -299,7 +301,10 @@ class Worker:
         """On the CPU, the kernels of the --cpu-isa tier for the model's dtype; logs the tier and the plan."""
         if self.device.type != "cpu" or self.dtype not in CPU_KERNEL_DTYPES:
             return None
-        kernels = load_cpu_kernels(self.config.cpu_config.tier(), self.dtype)
+        # the library and plan are the process's (cached); where this engine's memory goes is its own
+        kernels = replace(
+            load_cpu_kernels(self.config.cpu_config.tier(), self.dtype), huge_pages=self.config.cpu_config.huge_pages
+        )
         check_cpu_dtype(kernels.plan.dtype_name, kernels.tier)
         eager = " (fused decoder off: enforce_eager)" if self.config.model_config.enforce_eager else ""
         eager = " (fused decoder off: layer by layer across pipeline stages)" if self.stage is not None else eager

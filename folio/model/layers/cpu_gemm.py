@@ -31,7 +31,7 @@ def pack_weights(weights: list[torch.Tensor], kernels: CpuKernels) -> list[Any]:
     """weights [out, in] (one dtype) -> opaque packed forms that only ``packed_linear`` reads, in order."""
     gemm = kernels.gemm
     if gemm is not None and all(CpuGemm.supports(w) for w in weights):
-        return list(gemm.pack_all(weights))
+        return list(gemm.pack_all(weights, kernels.huge_pages))
     return [torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), _ONEDNN_BATCH_HINT) for w in weights]
 
 

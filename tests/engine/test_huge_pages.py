@@ -1,0 +1,72 @@
+"""cpu_huge_pages: the packed weights, the LM head's screen and the KV cache are advised to 2 MiB pages by default
+and not when it is off (the mapping's VmFlags in /proc/self/smaps), and the tokens are the same either way."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from folio import LLM, SamplingParams
+from folio.cli import build_parser, engine_args_from
+from folio.kernels.hugepages import _HUGE_PAGE, _madvise, empty_hugepage_backed
+
+needs_madvise = pytest.mark.skipif(_madvise() is None, reason="no madvise here (not Linux): the advice is a no-op")
+
+
+def vm_flags(address: int) -> set[str]:
+    """The VmFlags of the mapping of this process that holds ``address`` ("hg": advised to huge pages)."""
+    holds = False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split(maxsplit=1)[0]
+            if "-" in head and not head.endswith(":"):
+                start, end = (int(part, 16) for part in head.split("-"))
+                holds = start <= address < end
+            elif holds and head == "VmFlags:":
+                return set(line.split()[1:])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@needs_madvise
+@pytest.mark.parametrize("huge_pages", [True, False])
+def test_an_arena_is_advised_to_huge_pages_only_when_asked(huge_pages: bool) -> None:
+    arena = empty_hugepage_backed(3 * _HUGE_PAGE // 4, torch.float32, huge_pages)  # 1.5 huge pages of floats
+    assert arena.data_ptr() % _HUGE_PAGE == 0
+    assert ("hg" in vm_flags(arena.data_ptr())) == huge_pages
+
+
+@needs_madvise
+def test_the_engine_argument_places_weights_and_cache_and_keeps_the_tokens(make_llm: Callable[..., LLM]) -> None:
+    prompts = [{"prompt_token_ids": [1, 504, 3458, 282, 4649, 314]}, {"prompt_token_ids": [1, 2, 3, 4, 5, 6, 7]}]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    tokens = {}
+    for huge_pages in (True, False):
+        llm = make_llm(cpu_huge_pages=huge_pages)
+        worker = llm.llm_engine.executor.worker
+        if worker.device.type != "cpu" or worker.cpu_kernels is None or worker.cpu_kernels.gemm is None:
+            pytest.skip("Folio's CPU GEMM packs the weights only on the CPU, where the plan chose it")
+        model = worker.model
+        placed = {
+            "packed weights": model.model.layers[0].self_attn.qkv_proj.packed_weight.data.data_ptr(),
+            "KV cache": worker.model_runner.kv_caches[0].data_ptr(),
+        }
+        if model.lm_head_screen is not None:
+            placed["LM head screen"] = model.lm_head_screen.packed.data.data_ptr()
+        assert {name: "hg" in vm_flags(address) for name, address in placed.items()} == dict.fromkeys(
+            placed, huge_pages
+        )
+        tokens[huge_pages] = [list(out.outputs[0].token_ids) for out in llm.generate(prompts, params, use_tqdm=False)]
+        del llm, worker, model
+    assert tokens[True] == tokens[False]
+
+
+def test_the_flag_reaches_the_cpu_config() -> None:
+    def huge_pages(*argv: str) -> bool:
+        args = engine_args_from(build_parser().parse_args(["serve", *argv]))
+        return args.create_engine_config("m", 64).cpu_config.huge_pages
+
+    assert huge_pages() is True
+    assert huge_pages("--no-cpu-huge-pages") is False
+    assert huge_pages("--cpu-huge-pages") is True
