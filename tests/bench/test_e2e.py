@@ -18,7 +18,15 @@ def _run(args: list[str], timeout_s: float = 120) -> subprocess.CompletedProcess
     return proc
 
 
-ENGINE = ["--kv-cache-memory-bytes", str(128 * 2**20), "--max-model-len", "512", "--dtype", "float32"]
+ENGINE = [
+    "--kv-cache-memory-bytes",
+    str(128 * 2**20),
+    "--max-model-len",
+    "512",
+    "--dtype",
+    "float32",
+    "--no-cpu-huge-pages",
+]
 
 
 def test_bench_throughput(tmp_path: Path) -> None:

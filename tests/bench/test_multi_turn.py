@@ -124,7 +124,7 @@ def test_compare_offloading_runs_end_to_end(tmp_path: Path) -> None:
     args += ["--multi-turn-num-turns", "3", "--multi-turn-system-len", "64", "--multi-turn-user-len", "32"]
     args += ["--multi-turn-output-len", "8", "--dtype", "float32", "--max-model-len", "192"]
     args += ["--num-gpu-blocks-override", "12", "--kv-offloading-size", "0.01", "--compare-offloading"]
-    args += ["--compare-rounds", "2"]
+    args += ["--compare-rounds", "2", "--no-cpu-huge-pages"]
     proc = subprocess.run(
         [folio_script(), *args, "--output-json", str(out)], capture_output=True, text=True, timeout=300
     )

@@ -54,6 +54,7 @@ def test_latency_profile_noop(tmp_path: Path) -> None:
     args = [folio_script(), "bench", "latency", "--profile", "--batch-size", str(BATCH), "--input-len", str(INPUT_LEN)]
     args += ["--output-len", str(OUTPUT_LEN), "--num-iters", str(ITERS), "--num-iters-warmup", "1"]
     args += ["--output-json", str(out), "--max-model-len", "512", "--kv-cache-memory-bytes", str(TEST_KV_BYTES)]
+    args += ["--no-cpu-huge-pages"]  # as tests/small_engine.py says
     proc = subprocess.run(args, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     stdout = proc.stdout

@@ -53,7 +53,7 @@ def test_compare_speculative_runs_end_to_end(tmp_path: Path, capsys: object) -> 
     rc = main(
         ["bench", "throughput", "--dataset-name", "copy_edit", "--num-prompts", "2", "--copy-edit-output-len", "24"]
         + ["--max-num-seqs", "1", "--dtype", "float32", "--max-model-len", "512", "--seed", "3"]
-        + ["--kv-cache-memory-bytes", str(64 * 2**20)]
+        + ["--kv-cache-memory-bytes", str(64 * 2**20), "--no-cpu-huge-pages"]
         + ["--speculative-config", spec, "--compare-speculative", "--compare-rounds", "1", "--output-json", str(out)]
     )
     printed = capsys.readouterr().out  # type: ignore[attr-defined]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.small_engine import TEST_KV_BYTES, TEST_MAX_MODEL_LEN
+from tests.small_engine import SMALL_ENGINE_FLAGS
 
 
 def folio_command() -> list[str]:
@@ -23,7 +23,7 @@ def folio_command() -> list[str]:
 
 
 # The default KV cache (up to 4 GiB) takes 7-10 s to fault in on a slow VM (docs/performance.md, session 21).
-SMALL_KV = ["--kv-cache-memory-bytes", str(TEST_KV_BYTES), "--max-model-len", str(TEST_MAX_MODEL_LEN)]
+SMALL_KV = SMALL_ENGINE_FLAGS
 
 
 def test_generate_subprocess() -> None:

@@ -36,6 +36,7 @@ def make_engine() -> Callable[..., LLM]:
         kwargs.setdefault("kv_cache_memory_bytes", TINY_KV_BYTES if model else 2**26)
         kwargs.setdefault("max_model_len", 256)
         kwargs.setdefault("device", "cpu")  # gloo ranks; NCCL: test_multiproc's CUDA test
+        kwargs.setdefault("cpu_huge_pages", False)  # as tests/small_engine.py says
         llm = LLM(model, dtype="float32", **kwargs)
         _ENGINES.add(llm)
         return llm

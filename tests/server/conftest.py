@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from folio.bench.server_proc import free_port
-from tests.small_engine import TEST_KV_BYTES, TEST_MAX_MODEL_LEN
+from tests.small_engine import SMALL_ENGINE_FLAGS
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
 START_TIMEOUT_S = 180.0
@@ -40,8 +40,8 @@ class ServerProcess:
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self.metrics_at_start: str | None = None  # /metrics as served before any request (the shared server's)
-        args = [folio_script(), "serve", "--port", str(self.port), "--kv-cache-memory-bytes", str(TEST_KV_BYTES)]
-        args += ["--max-model-len", str(TEST_MAX_MODEL_LEN)]  # a test's own --max-model-len below wins (the last)
+        args = [folio_script(), "serve", "--port", str(self.port)]
+        args += SMALL_ENGINE_FLAGS  # a test's own --max-model-len below wins (the last)
         args += ["--dtype", "float32", "--uvicorn-log-level", "warning", *(extra_args or [])]
         self._log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
         self.process = subprocess.Popen(

@@ -56,6 +56,7 @@ def _kv_config(role: str, port: int | None = None) -> list[str]:
         "1024",
         "--kv-cache-memory-bytes",
         str(64 * 2**20),
+        "--no-cpu-huge-pages",  # as tests/small_engine.py says
         "--kv-transfer-config",
         json.dumps(config),
     ]
