@@ -17,7 +17,7 @@ import sys
 import torch
 
 _HUGE_PAGE = 2 << 20
-_MADV_HUGEPAGE = 14  # linux/mman.h
+_MADV_HUGEPAGE, _MADV_NOHUGEPAGE = 14, 15  # linux/mman.h
 
 
 @functools.cache
@@ -34,14 +34,16 @@ def _madvise() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
 
 
 def empty_hugepage_backed(numel: int, dtype: torch.dtype, huge_pages: bool = True) -> torch.Tensor:
-    """An uninitialized 1-D CPU tensor of numel elements, starting on a 2 MiB boundary and, with ``huge_pages``,
-    advised to use huge pages (a no-op where that is not possible: the tensor is the same either way)."""
+    """An uninitialized 1-D CPU tensor of numel elements, starting on a 2 MiB boundary and advised to use huge
+    pages, or with ``huge_pages`` False advised not to (memory the heap hands back out keeps an earlier advice
+    unless told; THP "always" would give it huge pages too). A no-op where madvise is not available: the tensor
+    is the same either way."""
     nbytes = numel * dtype.itemsize
     raw = torch.empty(nbytes + _HUGE_PAGE, dtype=torch.uint8)
     start = -raw.data_ptr() % _HUGE_PAGE
     aligned = raw[start : start + nbytes]
-    madvise = _madvise() if huge_pages else None
+    madvise = _madvise()
     huge_bytes = nbytes - nbytes % _HUGE_PAGE
-    if madvise is not None and huge_bytes:
-        madvise(aligned.data_ptr(), huge_bytes, _MADV_HUGEPAGE)  # advice only: a failure changes nothing
+    if madvise is not None and huge_bytes:  # advice only: a failure changes nothing
+        madvise(aligned.data_ptr(), huge_bytes, _MADV_HUGEPAGE if huge_pages else _MADV_NOHUGEPAGE)
     return aligned.view(dtype)
