@@ -128,7 +128,8 @@ class CpuConfig:
     kv_prefetch_bytes: int | None = None
     # fewer kernel threads while other processes take cores (folio/worker/cpu_threads.py)
     adaptive_threads: bool = True
-    # the packed weights and the KV cache on 2 MiB pages (folio/kernels/hugepages.py): faster decode, slower start
+    # the packed weights and the KV cache on 2 MiB pages (folio/kernels/hugepages.py): fewer TLB misses; off: a
+    # faster start where a huge page's first touch is slow (VMs whose host takes freed memory back)
     huge_pages: bool = True
 
     def __post_init__(self) -> None:

@@ -4,7 +4,7 @@ Why: the weights of a decode step stream from memory once per step, and each 4 K
 miss and stops the hardware prefetcher. Linux's default THP mode on many servers is "madvise": a region gets
 huge pages only when asked, before its first touch. Elsewhere (other OSes, THP off) this is a plain tensor.
 The engine argument cpu_huge_pages turns the advice off: on VMs whose host takes freed memory back (page
-reporting), a huge page's first touch cost 5-10x a small page's, seconds per GiB at start (docs/performance.md).
+reporting), a huge page's first touch cost 2-16x a small page's, seconds per GiB at start (docs/performance.md).
 """
 
 from __future__ import annotations
