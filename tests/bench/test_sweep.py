@@ -53,6 +53,7 @@ def test_sweep_two_settings_against_folio_serve(tmp_path: Path) -> None:
     args += ["--random-input-len", "16", "--random-output-len", "4", "--seed", "3"]
     args += ["--save-result", str(result_path), "--plot-path", str(plot_path), "--server-log-dir", str(tmp_path)]
     args += ["--max-model-len", "512", "--kv-cache-memory-bytes", str(TEST_KV_BYTES), "--dtype", "float32"]
+    args += ["--no-cpu-huge-pages"]  # passed on to folio serve, as tests/small_engine.py says
     proc = subprocess.run(args, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
