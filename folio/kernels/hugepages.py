@@ -33,6 +33,24 @@ def _madvise() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     return fn
 
 
+# A first touch slower than this, for long enough to notice at start, gets a hint in the log (4 KiB pages fault in
+# at 2-4 GB/s on the slow VMs seen, huge pages at 0.2-1.8).
+_SLOW_TOUCH_SECONDS, _SLOW_TOUCH_GIB_PER_S = 2.0, 1.0
+
+
+def slow_first_touch_hint(what: str, nbytes: int, seconds: float) -> str | None:
+    """A start-up line for memory on huge pages that took long to fault in, naming the flag that avoids it; None
+    where it was quick enough."""
+    gib = nbytes / 2**30
+    if seconds < _SLOW_TOUCH_SECONDS or gib / seconds >= _SLOW_TOUCH_GIB_PER_S:
+        return None
+    return (
+        f"{what}: {gib:.2f} GiB faulted in on 2 MiB pages in {seconds:.1f} s ({gib / seconds:.2f} GiB/s); where huge "
+        "pages are this slow to touch first (VMs whose host takes freed memory back), --no-cpu-huge-pages "
+        "(cpu_huge_pages=False) starts faster"
+    )
+
+
 def empty_hugepage_backed(numel: int, dtype: torch.dtype, huge_pages: bool = True) -> torch.Tensor:
     """An uninitialized 1-D CPU tensor of numel elements, starting on a 2 MiB boundary and advised to use huge
     pages, or with ``huge_pages`` False advised not to (memory the heap hands back out keeps an earlier advice

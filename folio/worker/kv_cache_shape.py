@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import logging
 import math
+import time
 from dataclasses import dataclass
 
 import torch
 
-from folio.kernels.hugepages import empty_hugepage_backed
+from folio.kernels.hugepages import empty_hugepage_backed, slow_first_touch_hint
 from folio.worker.kv_offload import mem_available_bytes
+
+logger = logging.getLogger("folio")
 
 _DEFAULT_CPU_KV_BYTES = 4 * 2**30
 _CPU_KV_FRACTION_OF_FREE = 0.3
@@ -38,7 +42,13 @@ class KVCacheShape:
             shape = (2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         else:
             shape = (2, num_blocks, self.num_kv_heads, self.block_size, self.head_dim)
+        start = time.perf_counter()
         caches = [self._zeros(shape, layer, device) for layer in range(self.num_layers)]
+        if device.type == "cpu" and self.huge_pages:
+            nbytes = sum(cache.numel() * cache.element_size() for cache in caches)
+            hint = slow_first_touch_hint("KV cache", nbytes, time.perf_counter() - start)
+            if hint is not None:
+                logger.info(hint)
         return [cache.transpose(2, 3) for cache in caches] if self.head_major else caches
 
     def _zeros(self, shape: tuple[int, ...], layer: int, device: torch.device) -> torch.Tensor:

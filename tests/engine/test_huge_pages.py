@@ -11,7 +11,7 @@ import torch
 
 from folio import LLM, SamplingParams
 from folio.cli import build_parser, engine_args_from
-from folio.kernels.hugepages import _HUGE_PAGE, _madvise, empty_hugepage_backed
+from folio.kernels.hugepages import _HUGE_PAGE, _madvise, empty_hugepage_backed, slow_first_touch_hint
 
 needs_madvise = pytest.mark.skipif(_madvise() is None, reason="no madvise here (not Linux): the advice is a no-op")
 
@@ -75,3 +75,12 @@ def test_the_flag_reaches_the_cpu_config() -> None:
     assert huge_pages() is True
     assert huge_pages("--no-cpu-huge-pages") is False
     assert huge_pages("--cpu-huge-pages") is True
+
+
+def test_a_slow_first_touch_names_the_flag_and_a_quick_one_says_nothing() -> None:
+    hint = slow_first_touch_hint("KV cache", 4 * 2**30, 16.0)
+    assert hint is not None
+    assert hint.startswith("KV cache: 4.00 GiB faulted in on 2 MiB pages in 16.0 s (0.25 GiB/s)")
+    assert "--no-cpu-huge-pages" in hint and "cpu_huge_pages=False" in hint
+    assert slow_first_touch_hint("KV cache", 4 * 2**30, 2.5) is None  # 1.6 GiB/s: not slow
+    assert slow_first_touch_hint("KV cache", 2**30, 1.9) is None  # slow, but under 2 s: not worth a line
