@@ -45,8 +45,7 @@ class KVCacheShape:
         start = time.perf_counter()
         caches = [self._zeros(shape, layer, device) for layer in range(self.num_layers)]
         if device.type == "cpu" and self.huge_pages:
-            nbytes = sum(cache.numel() * cache.element_size() for cache in caches)
-            hint = slow_first_touch_hint("KV cache", nbytes, time.perf_counter() - start)
+            hint = slow_first_touch_hint("KV cache", num_blocks * self.bytes_per_block, time.perf_counter() - start)
             if hint is not None:
                 logger.info(hint)
         return [cache.transpose(2, 3) for cache in caches] if self.head_major else caches

@@ -22,13 +22,9 @@ def folio_command() -> list[str]:
     return [found]
 
 
-# The default KV cache (up to 4 GiB) takes 7-10 s to fault in on a slow VM (docs/performance.md, session 21).
-SMALL_KV = SMALL_ENGINE_FLAGS
-
-
 def test_generate_subprocess() -> None:
     result = subprocess.run(
-        [*folio_command(), "generate", "The capital of France is", "--max-tokens", "8", *SMALL_KV],
+        [*folio_command(), "generate", "The capital of France is", "--max-tokens", "8", *SMALL_ENGINE_FLAGS],
         capture_output=True,
         text=True,
         timeout=300,
@@ -41,7 +37,7 @@ def test_generate_subprocess() -> None:
 def test_chat_subprocess() -> None:
     result = subprocess.run(
         # float32: CUDA's auto dtype, bfloat16, meets a near-tie in this answer (docs/performance.md, session 9)
-        [*folio_command(), "chat", "--max-tokens", "24", "--dtype", "float32", *SMALL_KV],
+        [*folio_command(), "chat", "--max-tokens", "24", "--dtype", "float32", *SMALL_ENGINE_FLAGS],
         input="What is the capital of France?\nexit\n",
         capture_output=True,
         text=True,
