@@ -2,7 +2,9 @@
  *   ELEM_T     the element type of x and the packed weight      SUFFIX  the name suffix (f32, bf16)
  *   LOAD       element -> float                                 PACKED_K(k)  packed length of K
  *   PACKED_AT  (k, c) -> offset of W[block col c][k] inside a packed block
- *   HAS_TILES  1 where the vector tiles tile_<SUFFIX>_<1..TILE_M> exist (AVX-512 or AVX2 + FMA) */
+ *   HAS_TILES  1 where the vector tiles tile_<SUFFIX>_<1..TILE_M> exist (AVX-512 or AVX2 + FMA)
+ *   TILE_ROWS  rows per tile (TILE_M, or AMX_TILE_M where USE_AMX)
+ *   USE_AMX    1 where the AMX tile (tile_bf16_amx, up to AMX_TILE_M rows) runs instead of the vector tiles */
 
 #if !HAS_TILES
 /* A tile without vectors (the generic tier): the same maths in plain C (exact products, float32 sums in k order). */
@@ -19,7 +21,9 @@ static void CAT(tile_scalar_, SUFFIX)(const ELEM_T *x, int64_t lda, const ELEM_T
 
 static void CAT(tile_, SUFFIX)(const ELEM_T *x, int64_t lda, const ELEM_T *wb, int64_t k, int64_t rows,
                                const Epilogue *e, int64_t row0, int64_t col0, NextBlock nb, SidePrefetch *side) {
-#if HAS_TILES
+#if USE_AMX
+    CAT(CAT(tile_, SUFFIX), _amx)(x, lda, wb, k, rows, e, row0, col0, nb, side);
+#elif HAS_TILES
 #define TILE_CASE(MR)                                                                                             \
     case MR: CAT(CAT(CAT(tile_, SUFFIX), _), MR)(x, lda, wb, k, e, row0, col0, nb, side); return;
     switch (rows) {
@@ -44,8 +48,9 @@ static void CAT(gemm_body_, SUFFIX)(const ELEM_T *x, int64_t lda, const ELEM_T *
     const int64_t blocks = num_blocks(n), chunks = (m + CHUNK_M - 1) / CHUNK_M;
     /* chunks of equal size (in whole tiles): with a short last chunk the static split below left one thread idle
      * for most of a prefill of a few hundred rows (M = 406, float32: 353-387 GFLOP/s against 458-496 at 2048) */
-    const int64_t chunk_rows = ((m + chunks - 1) / chunks + TILE_M - 1) / TILE_M * TILE_M;
+    const int64_t chunk_rows = ((m + chunks - 1) / chunks + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS;
     const int64_t block_elems = PACKED_K(k) * BLOCK_N;
+    AMX_FORGET();
     /* item = chunk * blocks + block: a thread's consecutive items share a chunk of x rows, which stays in L2 while
      * the blocks' weights stream past (from L3 for a prefill chunk's layer, which fits it). Block-major order
      * kept a block's weights instead and re-read all of x per block: at M = 2048 gate|up ran at 937 GFLOP/s
@@ -57,10 +62,10 @@ static void CAT(gemm_body_, SUFFIX)(const ELEM_T *x, int64_t lda, const ELEM_T *
         const ELEM_T *next = item + 1 < blocks * chunks ? packed + ((item + 1) % blocks) * block_elems : NULL;
         const int64_t row_start = chunk * chunk_rows;
         const int64_t row_end = row_start + chunk_rows < m ? row_start + chunk_rows : m;
-        const int64_t ntiles = row_end > row_start ? (row_end - row_start + TILE_M - 1) / TILE_M : 0;
+        const int64_t ntiles = row_end > row_start ? (row_end - row_start + TILE_ROWS - 1) / TILE_ROWS : 0;
         for (int64_t t = 0; t < ntiles; ++t) {
-            const int64_t row = row_start + t * TILE_M;
-            const int64_t rows = row_end - row < TILE_M ? row_end - row : TILE_M;
+            const int64_t row = row_start + t * TILE_ROWS;
+            const int64_t rows = row_end - row < TILE_ROWS ? row_end - row : TILE_ROWS;
             const NextBlock nb = next_block_share(next, block_elems * (int64_t)sizeof(ELEM_T), t, ntiles);
             CAT(tile_, SUFFIX)(x + row * lda, lda, wb, k, rows, &e, row, b * BLOCK_N, nb, side);
         }
@@ -92,12 +97,13 @@ int CAT(folio_gemm_argmax_, SUFFIX)(const ELEM_T *x, int64_t lda, const ELEM_T *
         const int64_t tid = omp_get_thread_num();
         const Epilogue e = {NULL, 0, 0, NULL, n, best_val + tid * m * 16, best_col + tid * m * 16, NULL};
         const int64_t block_elems = PACKED_K(k) * BLOCK_N;
-        const int64_t ntiles = (m + TILE_M - 1) / TILE_M;
+        const int64_t ntiles = (m + TILE_ROWS - 1) / TILE_ROWS;
+        AMX_FORGET();
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < num_blocks(n); ++b) {
             const ELEM_T *next = b + 1 < num_blocks(n) ? packed + (b + 1) * block_elems : NULL;
             for (int64_t t = 0; t < ntiles; ++t) {
-                const int64_t row = t * TILE_M, rows = m - row < TILE_M ? m - row : TILE_M;
+                const int64_t row = t * TILE_ROWS, rows = m - row < TILE_ROWS ? m - row : TILE_ROWS;
                 const NextBlock nb = next_block_share(next, block_elems * (int64_t)sizeof(ELEM_T), t, ntiles);
                 CAT(tile_, SUFFIX)(x + row * lda, lda, packed + b * block_elems, k, rows, &e, row, b * BLOCK_N, nb, NULL);
             }

@@ -11,10 +11,12 @@
 
 /* The ISA tier this library was compiled for (folio/kernels/isa.py's IsaTier): decided by what the compiler was
  * allowed to emit, never by the CPU it runs on. 0 generic, 1 AVX2 + FMA + F16C, 2 AVX-512 (F/BW/DQ/VL),
- * 3 AVX-512 with AVX512-BF16. */
+ * 3 AVX-512 with AVX512-BF16, 4 that and AMX (tiles, bfloat16). */
 int folio_isa_tier(void) {
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
-#ifdef __AVX512BF16__
+#if defined(__AVX512BF16__) && GEMM_AMX
+    return 4;
+#elif defined(__AVX512BF16__)
     return 3;
 #else
     return 2;

@@ -17,6 +17,8 @@ FOLIO_MIN_TIER: dict[str, IsaTier] = {
     # M = 64: 123-127 GFLOP/s per core against 109-115) and matched it at 256 and 2048; oneDNN refuses bfloat16
     # below AVX-512, and on AVX-512 without BF16 the widening bfloat16 tiles ran at 1.4-4x oneDNN's (AVX512_CORE).
     # benchmarks/cpu_gemm.py --threads 1 --cpu-time, AMD EPYC Zen 5.
+    # On the amx tier the bfloat16 GEMM runs on AMX tiles: 550-1230 GFLOP/s from M = 64 on 2 cores of a Sapphire
+    # Rapids class Xeon, oneDNN's (AMX too) 440-890, the avx512_bf16 build's vdpbf16ps tiles 110-120.
     "gemm_f32": IsaTier.AVX2,
     "gemm_bf16": IsaTier.AVX2,
     # vectorised from AVX2: at W1's shapes (float32, avx2 build, AMD EPYC Zen 5, benchmarks/attention_kernels.py)

@@ -78,12 +78,13 @@ int folio_gemm_argmax_screened_f32(const float *x, int64_t lda, const float *pac
                                  cand_count + tid * m,
                                  0};
             const Epilogue e = {NULL, 0, 0, NULL, n, NULL, NULL, &state};
-            const int64_t block_elems = k * BLOCK_N, ntiles = (m + TILE_M - 1) / TILE_M;
+            const int64_t block_elems = k * BLOCK_N, ntiles = (m + BF16_TILE_M - 1) / BF16_TILE_M;
+            AMX_FORGET();
 #pragma omp for schedule(static)
             for (int64_t b = 0; b < nblocks; ++b) {
                 const uint16_t *next = b + 1 < nblocks ? packed_bf16 + (b + 1) * block_elems : NULL;
                 for (int64_t t = 0; t < ntiles; ++t) {
-                    const int64_t row = t * TILE_M, rows = m - row < TILE_M ? m - row : TILE_M;
+                    const int64_t row = t * BF16_TILE_M, rows = m - row < BF16_TILE_M ? m - row : BF16_TILE_M;
                     const NextBlock nb = next_block_share(next, block_elems * (int64_t)sizeof(uint16_t), t, ntiles);
                     tile_bf16(xb + row * k, k, packed_bf16 + b * block_elems, k, rows, &e, row, b * BLOCK_N, nb, NULL);
                 }

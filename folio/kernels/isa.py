@@ -8,6 +8,7 @@ CPU at run time: each library is compiled for one tier (``compile_flags``) and r
 
 from __future__ import annotations
 
+import ctypes
 import enum
 import functools
 import platform
@@ -20,11 +21,12 @@ class IsaTier(enum.IntEnum):
     GENERIC = 0  # no SIMD assumed: plain C (other architectures, old x86-64)
     AVX2 = 1  # x86-64-v3: AVX2 + FMA + F16C (Haswell, Zen 1-3)
     AVX512 = 2  # x86-64-v4: AVX-512 F/BW/CD/DQ/VL (Skylake-SP, Cascade Lake)
-    AVX512_BF16 = 3  # x86-64-v4 + AVX512-BF16 (Cooper Lake, Sapphire Rapids, Zen 4/5)
+    AVX512_BF16 = 3  # x86-64-v4 + AVX512-BF16 (Cooper Lake, Zen 4/5)
+    AMX = 4  # AVX512_BF16 + AMX-TILE + AMX-BF16 (Sapphire Rapids and later), with the OS's leave to use the tiles
 
     @property
     def flag_name(self) -> str:
-        """The name ``--cpu-isa`` takes: generic, avx2, avx512, avx512_bf16."""
+        """The name ``--cpu-isa`` takes: generic, avx2, avx512, avx512_bf16, amx."""
         return self.name.lower()
 
 
@@ -34,6 +36,7 @@ _REQUIRED_FLAGS: dict[IsaTier, tuple[str, ...]] = {
     IsaTier.AVX2: ("avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm"),
     IsaTier.AVX512: ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"),
     IsaTier.AVX512_BF16: ("avx512_bf16",),
+    IsaTier.AMX: ("amx_tile", "amx_bf16"),
 }
 # gcc flags of each tier when it is not this CPU's own (the CPU's own tier builds with -march=native)
 _MARCH: dict[IsaTier, list[str]] = {
@@ -41,6 +44,7 @@ _MARCH: dict[IsaTier, list[str]] = {
     IsaTier.AVX2: ["-march=x86-64-v3"],
     IsaTier.AVX512: ["-march=x86-64-v4"],
     IsaTier.AVX512_BF16: ["-march=x86-64-v4", "-mavx512bf16"],
+    IsaTier.AMX: ["-march=x86-64-v4", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"],
 }
 CPU_ISA_CHOICES = ("auto", *(tier.flag_name for tier in IsaTier))
 
@@ -56,7 +60,26 @@ def cpu_info() -> tuple[str, frozenset[str]]:
     for line in lines:
         key, _, value = line.partition(":")
         fields.setdefault(key.strip(), value.strip())
-    return fields.get("model name", platform.machine()), frozenset(fields.get("flags", "").split())
+    flags = frozenset(fields.get("flags", "").split())
+    if _AMX_FLAGS <= flags and not request_amx_permission():
+        flags -= _AMX_FLAGS  # the CPU has the tiles but the kernel lends them to no process: not a usable tier
+    return fields.get("model name", platform.machine()), flags
+
+
+_AMX_FLAGS = frozenset(_REQUIRED_FLAGS[IsaTier.AMX])
+_ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA, _SYS_ARCH_PRCTL = 0x1023, 18, 158
+
+
+def request_amx_permission() -> bool:
+    """Asks Linux (5.16+) for this process's leave to use the AMX tile registers, which it grants per process and
+    which every process that runs an AMX kernel must ask for (execution faults otherwise); True when granted."""
+    if not is_x86_64() or platform.system() != "Linux":
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return int(libc.syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA)) == 0
+    except (OSError, AttributeError):
+        return False
 
 
 def is_x86_64() -> bool:
@@ -120,6 +143,11 @@ _LIBRARY_ISA: dict[IsaTier, dict[str, str]] = {
     IsaTier.AVX512: {
         "MKL_ENABLE_INSTRUCTIONS": "AVX512",
         "ONEDNN_MAX_CPU_ISA": "AVX512_CORE",
+        "ATEN_CPU_CAPABILITY": "avx512",
+    },
+    IsaTier.AVX512_BF16: {  # MKL's AVX512_E3: AVX-512 with VNNI and bfloat16, no AMX (E4)
+        "MKL_ENABLE_INSTRUCTIONS": "AVX512_E3",
+        "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16",
         "ATEN_CPU_CAPABILITY": "avx512",
     },
 }

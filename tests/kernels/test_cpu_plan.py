@@ -12,6 +12,7 @@ from folio.kernels.isa import IsaTier, compile_flags, detect_tier, resolve_cpu_i
 ZEN3_FLAGS = frozenset(["sse4_2", "avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm"])
 XEON_FLAGS = ZEN3_FLAGS | frozenset(["avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"])
 ZEN5_FLAGS = XEON_FLAGS | {"avx512_bf16"}
+SAPPHIRE_RAPIDS_FLAGS = ZEN5_FLAGS | {"amx_tile", "amx_bf16", "amx_int8"}
 
 
 @pytest.mark.parametrize(
@@ -24,6 +25,9 @@ ZEN5_FLAGS = XEON_FLAGS | {"avx512_bf16"}
         (XEON_FLAGS - {"avx512vl"}, IsaTier.AVX2),
         (ZEN5_FLAGS, IsaTier.AVX512_BF16),
         (ZEN5_FLAGS - {"avx2"}, IsaTier.GENERIC),  # a tier needs every lower tier's flags too
+        (SAPPHIRE_RAPIDS_FLAGS, IsaTier.AMX),
+        (SAPPHIRE_RAPIDS_FLAGS - {"amx_bf16"}, IsaTier.AVX512_BF16),
+        (XEON_FLAGS | {"amx_tile", "amx_bf16"}, IsaTier.AVX512),
     ],
 )
 def test_detect_tier(flags: frozenset[str], tier: IsaTier) -> None:
@@ -41,7 +45,9 @@ def test_resolve_cpu_isa() -> None:
     assert resolve_cpu_isa("avx512", ZEN5_FLAGS) == IsaTier.AVX512
     with pytest.raises(ValueError, match=r"--cpu-isa avx512: this CPU's best tier is avx2; it lacks avx512bw"):
         resolve_cpu_isa("avx512", ZEN3_FLAGS)
-    with pytest.raises(ValueError, match="cpu_isa must be one of auto, generic, avx2, avx512, avx512_bf16"):
+    with pytest.raises(ValueError, match=r"--cpu-isa amx: this CPU's best tier is avx512_bf16; it lacks amx_bf16, amx_tile"):
+        resolve_cpu_isa("amx", ZEN5_FLAGS)
+    with pytest.raises(ValueError, match="cpu_isa must be one of auto, generic, avx2, avx512, avx512_bf16, amx"):
         resolve_cpu_isa("sse", ZEN3_FLAGS)
 
 
@@ -50,6 +56,8 @@ def test_compile_flags_native_only_for_the_cpus_own_tier() -> None:
     assert compile_flags(IsaTier.AVX2, IsaTier.AVX512_BF16) == ["-march=x86-64-v3", "-mtune=native"]
     assert compile_flags(IsaTier.AVX512, IsaTier.AVX512_BF16) == ["-march=x86-64-v4", "-mtune=native"]
     assert compile_flags(IsaTier.GENERIC, IsaTier.AVX2) == ["-march=x86-64", "-mtune=native"]
+    # below an AMX CPU's own tier, avx512_bf16 is built without the tile instructions
+    assert compile_flags(IsaTier.AVX512_BF16, IsaTier.AMX) == ["-march=x86-64-v4", "-mavx512bf16", "-mtune=native"]
 
 
 @pytest.mark.parametrize("tier", list(IsaTier), ids=lambda t: t.flag_name)
