@@ -61,7 +61,7 @@ def cpu_info() -> tuple[str, frozenset[str]]:
         key, _, value = line.partition(":")
         fields.setdefault(key.strip(), value.strip())
     flags = frozenset(fields.get("flags", "").split())
-    if _AMX_FLAGS <= flags and not request_amx_permission():
+    if flags >= _AMX_FLAGS and not request_amx_permission():
         flags -= _AMX_FLAGS  # the CPU has the tiles but the kernel lends them to no process: not a usable tier
     return fields.get("model name", platform.machine()), flags
 
