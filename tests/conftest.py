@@ -30,8 +30,8 @@ from folio.kernels.isa import IsaTier
 from folio.model.loader import default_model_path as folio_default_model_path
 from folio.model.loader import load_tokenizer
 
-# Every ISA tier this CPU can run (generic and avx2 on any x86-64, avx512 and avx512_bf16 where present): the kernel
-# tests build the library once per tier and run the same assertions on each body; the test ids name the tier.
+# Every ISA tier this CPU can run (generic and avx2 on any x86-64, avx512, avx512_bf16 and amx where present): the
+# kernel tests build the library once per tier and run the same assertions on each body; the test ids name the tier.
 CPU_TIERS = [tier for tier in IsaTier if tier <= native_tier()]
 
 _COMPLETE_MARKER = ".complete"  # written last: a directory without it is a partial save and is rebuilt

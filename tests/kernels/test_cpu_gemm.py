@@ -1,11 +1,12 @@
 """Folio's CPU GEMM (folio/kernels/cpu_gemm.c) against a float64 matmul of the same numbers, on every ISA tier.
 
-Each test runs once per tier this CPU can run (the ``cpu_tier`` fixture: generic, avx2, avx512, avx512_bf16), on
-that tier's GEMM body whether or not the engine's plan chooses it there: plain C, AVX2 tiles of 4 rows x 24
-columns, AVX-512 tiles of 8 rows x 48 columns; bfloat16 widened to float32 in registers below avx512_bf16 and
-through vdpbf16ps on it. Shapes cross every edge of those tiles: row counts around the tile rows and the
-256-row chunks, output widths that are not a multiple of the blocks or the vector width, odd K (float32), K not a
-multiple of 8, strided inputs, bias, both output dtypes, extreme values.
+Each test runs once per tier this CPU can run (the ``cpu_tier`` fixture: generic, avx2, avx512, avx512_bf16, amx),
+on that tier's GEMM body whether or not the engine's plan chooses it there: plain C, AVX2 tiles of 4 rows x 24
+columns, AVX-512 tiles of 8 rows x 48 columns; bfloat16 widened to float32 in registers below avx512_bf16, through
+vdpbf16ps on it, and through AMX tiles of 16 rows x 48 columns on amx (K tails below 32 copied beside zeros).
+Shapes cross every edge of those tiles: row counts around the tile rows and the 256-row chunks, output widths that
+are not a multiple of the blocks or the vector width, odd K (float32), K not a multiple of 8, strided inputs,
+bias, both output dtypes, extreme values.
 """
 
 from __future__ import annotations
@@ -181,3 +182,19 @@ def test_argmax_never_chooses_nan_and_takes_inf(cpu_tier: IsaTier, dtype: torch.
     assert ids is not None
     real = logits.nan_to_num(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
     assert ids.tolist() == [real[0].argmax().item(), 0, 0, 100]
+
+
+def test_each_gemm_configures_the_tiles_again_after_other_users(cpu_tier: IsaTier) -> None:
+    """On the amx tier a thread's tile configuration outlives a GEMM, and oneDNN (torch's bfloat16 linear on an
+    AMX CPU) sets its own in the same threads between ours: every GEMM configures the tiles again. Row counts
+    alternate between full 16-row tiles and short ones (each a configuration of its own)."""
+    gen = torch.Generator().manual_seed(5)
+    gemm = _gemm(cpu_tier)
+    w = torch.randn(96, 64, generator=gen).to(torch.bfloat16)
+    [packed] = gemm.pack_all([w])
+    other_x, other_w = torch.randn(33, 256, generator=gen), torch.randn(70, 256, generator=gen)
+    for m in (16, 5, 16, 300, 5):
+        torch.nn.functional.linear(other_x.to(torch.bfloat16), other_w.to(torch.bfloat16))
+        x = torch.randn(m, 64, generator=gen).to(torch.bfloat16)
+        got = gemm.linear(x, packed, None, out_dtype=torch.float32).double()
+        torch.testing.assert_close(got, _reference(x, w, None), rtol=1e-5, atol=1e-3)
