@@ -320,6 +320,18 @@ static void amx_configure(int64_t rows) {
     amx_rows_configured = rows;
 }
 
+/* One k step of 32: C[0..2] += A (rows x 32 of x, a_stride bytes apart) . B (the block's 16 k pairs at w) */
+static inline __attribute__((always_inline)) void amx_step(const uint16_t *a, int64_t a_stride, const uint16_t *w) {
+    const int64_t pair_stride = BLOCK_N * 2 * (int64_t)sizeof(uint16_t);
+    _tile_loadd(0, a, a_stride);
+    _tile_loadd(1, w, pair_stride);
+    _tile_loadd(2, w + 32, pair_stride);
+    _tile_loadd(3, w + 64, pair_stride);
+    _tile_dpbf16ps(4, 0, 1);
+    _tile_dpbf16ps(5, 0, 2);
+    _tile_dpbf16ps(6, 0, 3);
+}
+
 static void tile_bf16_amx(const uint16_t *x, int64_t lda, const uint16_t *wb, int64_t k, int64_t rows,
                           const Epilogue *e, int64_t row0, int64_t col0, NextBlock nb, SidePrefetch *side) {
     amx_configure(rows);
@@ -335,13 +347,7 @@ static void tile_bf16_amx(const uint16_t *x, int64_t lda, const uint16_t *wb, in
             const uint16_t *ws = wb + s * BLOCK_N * 2;
             TILE_PREFETCH(ws, s)
         }
-        _tile_loadd(0, x + t * AMX_K_STEP, lda * (int64_t)sizeof(uint16_t));
-        _tile_loadd(1, w, pair_stride);
-        _tile_loadd(2, w + 32, pair_stride);
-        _tile_loadd(3, w + 64, pair_stride);
-        _tile_dpbf16ps(4, 0, 1);
-        _tile_dpbf16ps(5, 0, 2);
-        _tile_dpbf16ps(6, 0, 3);
+        amx_step(x + t * AMX_K_STEP, lda * (int64_t)sizeof(uint16_t), w);
     }
     const int64_t rest = k - full * AMX_K_STEP;
     if (rest > 0) { /* the last k < 32: x and the block's last pairs copied beside zeros, so nothing past them is read */
@@ -353,13 +359,7 @@ static void tile_bf16_amx(const uint16_t *x, int64_t lda, const uint16_t *wb, in
             memcpy(a_tail + i * AMX_K_STEP, x + i * lda + full * AMX_K_STEP, sizeof(uint16_t) * rest);
         memcpy(b_tail, wb + full * (AMX_K_STEP / 2) * BLOCK_N * 2, (size_t)((rest + 1) / 2 * pair_stride));
         AMX_MEMORY_BARRIER();
-        _tile_loadd(0, a_tail, AMX_K_STEP * (int64_t)sizeof(uint16_t));
-        _tile_loadd(1, b_tail, pair_stride);
-        _tile_loadd(2, b_tail + 32, pair_stride);
-        _tile_loadd(3, b_tail + 64, pair_stride);
-        _tile_dpbf16ps(4, 0, 1);
-        _tile_dpbf16ps(5, 0, 2);
-        _tile_dpbf16ps(6, 0, 3);
+        amx_step(a_tail, AMX_K_STEP * (int64_t)sizeof(uint16_t), b_tail);
     }
     if (side != NULL) *side = sp;
     float c[AMX_TILE_M * BLOCK_N] __attribute__((aligned(64)));
@@ -371,12 +371,9 @@ static void tile_bf16_amx(const uint16_t *x, int64_t lda, const uint16_t *wb, in
         for (int j = 0; j < 3; ++j) store16(e, row0 + i, col0 + 16 * j, _mm512_load_ps(c + i * BLOCK_N + 16 * j));
 }
 #define BF16_TILE_M AMX_TILE_M
-#else
-#define AMX_FORGET() ((void)0)
-#define BF16_TILE_M TILE_M
 #endif /* GEMM_AMX */
 #endif /* GEMM_VEC_BITS > 0 */
-#if GEMM_VEC_BITS == 0
+#ifndef BF16_TILE_M /* no AMX: bfloat16 runs the vector (or plain C) tiles, and there is no tile state to forget */
 #define AMX_FORGET() ((void)0)
 #define BF16_TILE_M TILE_M
 #endif
