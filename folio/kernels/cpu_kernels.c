@@ -14,7 +14,7 @@
  * 3 AVX-512 with AVX512-BF16, 4 that and AMX (tiles, bfloat16). */
 int folio_isa_tier(void) {
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
-#if defined(__AVX512BF16__) && GEMM_AMX
+#if GEMM_AMX /* implies AVX512-BF16 */
     return 4;
 #elif defined(__AVX512BF16__)
     return 3;
