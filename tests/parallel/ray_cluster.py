@@ -27,7 +27,7 @@ from folio.bench.server_proc import free_port
 _START_TIMEOUT_S = 120.0  # hang guard only
 # the subprocesses' own environment only (the engine reads none): no usage report attempts from the head, and the
 # workers at normal priority (Ray starts them at nice 15, where beside CI's other pytest workers they starved: the
-# module's run took 420-480 s in the suite against 78 s alone)
+# module's run took 400-480 s in the suite, 77-94 s at nice 0)
 _RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_worker_niceness": "0"}
 
 
