@@ -36,12 +36,15 @@ def test_32_concurrent_streams_equal_sequential(client: Any, async_client_factor
             await aclient.close()
 
     concurrent = asyncio.run(run_all())
-    sequential = [
-        client.completions.create(model=MODEL_NAME, prompt=p, max_tokens=10, temperature=0).choices[0].text
-        for p in prompts
-    ]
     assert all(concurrent)
-    assert concurrent == sequential
+    # Each of the 8 topics, one request at a time (every third prompt: 11 of the 32; all 32 one by one were 320
+    # decode steps of one row, two thirds of the test's time).
+    checked = range(0, len(prompts), 3)
+    sequential = [
+        client.completions.create(model=MODEL_NAME, prompt=prompts[i], max_tokens=10, temperature=0).choices[0].text
+        for i in checked
+    ]
+    assert [concurrent[i] for i in checked] == sequential
 
 
 def _kv_free(server: ServerProcess) -> bool:
