@@ -88,8 +88,8 @@ def test_prefix_caching_on_and_off(make_llm: Callable[..., LLM], tokenizer: Any)
 def test_batch_of_one_versus_sixteen(llm: LLM, prompts: list[list[int]], baseline: list[GreedyRun]) -> None:
     sixteen = (prompts * 2)[:16]
     runs16 = run_greedy(llm, sixteen)
-    singles = [run_greedy(llm, [p])[0] for p in prompts[:6]]
-    assert_all_close(singles, runs16[:6])
+    singles = [run_greedy(llm, [p])[0] for p in prompts[:6:2]]  # 3 alone: 32 steps of one row each
+    assert_all_close(singles, runs16[:6:2])
     assert_all_close(baseline, runs16[: len(prompts)])
 
 

@@ -24,6 +24,7 @@ MAX_TOKENS = 40  # 112 tokens at the end: 7 blocks per request
 SMALL_POOL = dict(num_gpu_blocks_override=12, max_model_len=128, max_num_seqs=4)
 HOST_GIB = 0.05  # ~70 blocks of SmolLM2 in float32: room for every swap and every evicted prefix block
 
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 SEEDED = (1, 3)  # the prompts sampled with a seed; the others are greedy
 
 
@@ -31,7 +32,7 @@ def params_of(i: int) -> SamplingParams:
     """Prompt i's sampling: seeded at temperature 0.8 for the prompts in SEEDED, else greedy."""
     if i in SEEDED:
         return SamplingParams(temperature=0.8, seed=1000 + i, max_tokens=MAX_TOKENS, ignore_eos=True)
-    return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    return GREEDY
 
 
 class _Run:
