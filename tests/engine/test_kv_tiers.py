@@ -26,6 +26,7 @@ HOST_GIB = 0.05  # ~70 blocks of SmolLM2 in float32: room for every swap and eve
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 SEEDED = (1, 3)  # the prompts sampled with a seed; the others are greedy
+PROBE_TOKENS = 8  # the greedy tokens a seeded row's output is compared with, to show that it sampled
 
 
 def params_of(i: int) -> SamplingParams:
@@ -124,9 +125,6 @@ def test_a_full_host_tier_falls_back_to_recompute(make_llm_module: Callable[...,
     stats = small.stats
     assert 0 < stats.num_swapped_preemptions_total < stats.num_preemptions_total, stats
     assert small.tokens == plain.tokens
-
-
-PROBE_TOKENS = 8
 
 
 def _greedy_tokens(llm: LLM, i: int) -> list[int]:
