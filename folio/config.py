@@ -131,6 +131,9 @@ class CpuConfig:
     # the packed weights and the KV cache on 2 MiB pages (folio/kernels/hugepages.py): fewer TLB misses; off: a
     # faster start where a huge page's first touch is slow (VMs whose host takes freed memory back)
     huge_pages: bool = True
+    # float32 weights that are exactly 4-bit codes (a GGUF's Q4_1 dequantized) kept as those codes: the same outputs
+    # bit for bit from a sixth of the weight bytes (folio/kernels/gemm_codes4.h)
+    compact_weights: bool = True
 
     def __post_init__(self) -> None:
         resolve_cpu_isa(self.isa, cpu_info()[1], is_x86_64())  # a clear error now, not in the engine process
@@ -271,6 +274,7 @@ class EngineArgs:
     cpu_kv_prefetch_bytes: int | None = None  # fused CPU decoder's K/V prefetch budget (None: half the L3)
     cpu_adaptive_threads: bool = True  # fewer kernel threads while other processes take cores
     cpu_huge_pages: bool = True  # packed weights and KV cache on 2 MiB pages (off: faster start on some VMs)
+    cpu_compact_weights: bool = True  # float32 weights that are exact 4-bit codes (GGUF Q4_1) kept as codes
     # {"backend": "auto" | "guidance" | "xgrammar"} (vLLM's name), or a StructuredOutputsConfig
     structured_outputs_config: StructuredOutputsConfig | dict[str, object] | None = None
     # {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n, "prompt_lookup_min": m} (vLLM's
@@ -384,6 +388,7 @@ class EngineArgs:
                 kv_prefetch_bytes=self.cpu_kv_prefetch_bytes,
                 adaptive_threads=self.cpu_adaptive_threads,
                 huge_pages=self.cpu_huge_pages,
+                compact_weights=self.cpu_compact_weights,
             ),
             structured_outputs_config=structured_outputs_config,
             speculative_config=speculative_config,

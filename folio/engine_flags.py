@@ -149,6 +149,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "back (folio serve with a 4 GiB cache: 5 s instead of 13-23 s on one)",
     )
     g.add_argument(
+        "--cpu-compact-weights",
+        action=argparse.BooleanOptionalAction,
+        default=d.cpu_compact_weights,
+        help="CPU, float32: keep each weight that is exactly 4-bit codes with a step and an offset per 32 inputs "
+        "(a GGUF's Q4_1 tensors, dequantized) as those codes, widened back in registers as the GEMM reads them: "
+        "the same outputs bit for bit from a sixth of the weight bytes (default on)",
+    )
+    g.add_argument(
         "--structured-outputs-config",
         type=json_object_arg,
         default=None,

@@ -330,4 +330,5 @@ FOR_EACH_TILE_ROWS(DEFINE_TILE_BF16)
 #undef TILE_ROWS
 #undef USE_AMX
 
+#include "gemm_codes4.h"
 #include "gemm_argmax_screen.h"

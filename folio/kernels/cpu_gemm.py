@@ -5,6 +5,9 @@ that packed it, since the packed layout belongs to that library.
 Packed weights of a whole model go into one arena backed by transparent huge pages where the kernel allows it
 (folio.kernels.hugepages): a decode step of a few requests streams every weight from memory once, and with 4 KiB
 pages the bandwidth it reached was 25-32 GB/s against 31-52 GB/s with 2 MiB pages (docs/performance.md).
+A float32 weight whose every group of 32 k is exactly an offset plus 4-bit multiples of a step (a GGUF's Q4_1,
+dequantized) can be packed as those codes instead (``gemm_codes4.h``): the same products and sums, so the same
+bits out, from 6 bits a weight instead of 32.
 """
 
 from __future__ import annotations
@@ -21,17 +24,18 @@ from folio.kernels.hugepages import empty_hugepage_backed
 _i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 _SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _SCREEN_NORM_ROWS = 4096  # rows widened to float64 at a time for the screen's norms
-_ALIGN_ELEMS = 64  # each packed weight starts on a 64-element boundary of the arena (a cache line or more)
+_ALIGN_BYTES = 256  # each packed weight starts on a 256-byte boundary of the arena (64 float32 elements)
 
 
 @dataclass(frozen=True)
 class PackedWeight:
     """A weight [n, k] in the kernel's blocked layout (cpu_gemm.c); only ``CpuGemm.linear`` reads ``data``."""
 
-    data: torch.Tensor  # 1-D, the packed elements (a slice of an arena)
+    data: torch.Tensor  # 1-D, the packed elements (a slice of an arena): uint8 bytes where ``codes4``
     n: int  # output features
     k: int  # input features
     gemm: CpuGemm  # the library that packed it, and so the one that multiplies it
+    codes4: bool = False  # a float32 weight kept as its exact 4-bit codes (gemm_codes4.h)
 
 
 @dataclass(frozen=True)
@@ -71,6 +75,13 @@ class CpuGemm:
         screened.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, ctypes.c_float, _i64, _i64, _i64, _ptr, _int]
         screened.restype = _int
         self._argmax_screened = screened
+        self._codes4_bytes = lib.folio_gemm_packed_bytes_codes4
+        self._codes4_bytes.argtypes, self._codes4_bytes.restype = [_i64, _i64], _i64
+        self._pack_codes4 = lib.folio_gemm_pack_codes4
+        self._pack_codes4.argtypes, self._pack_codes4.restype = [_ptr, _i64, _i64, _i64, _ptr], _int
+        self._gemm_codes4 = lib.folio_gemm_codes4
+        self._gemm_codes4.argtypes = self._gemm[torch.float32].argtypes
+        self._gemm_codes4.restype = None
 
     @staticmethod
     def supports(weight: torch.Tensor) -> bool:
@@ -82,27 +93,53 @@ class CpuGemm:
             and (weight.dtype != torch.bfloat16 or weight.shape[1] % 2 == 0)
         )
 
-    def pack_all(self, weights: list[torch.Tensor], huge_pages: bool = True) -> list[PackedWeight]:
-        """Packs every weight [n, k] (one dtype) into one arena, backed by huge pages where ``huge_pages``."""
+    def pack_all(
+        self, weights: list[torch.Tensor], huge_pages: bool = True, compact: list[bool] | None = None
+    ) -> list[PackedWeight]:
+        """Packs every weight [n, k] (one dtype) into one arena, backed by huge pages where ``huge_pages``. A
+        float32 weight whose ``compact`` entry is True is kept as 4-bit codes where it is exactly such codes
+        (``PackedWeight.codes4``), else packed as float32 like the others."""
         if not weights:
             return []
         dtype = weights[0].dtype
+        compact = compact or [False] * len(weights)
+        codes: list[torch.Tensor | None] = []  # each weight's codes, packed on the side, where they are exact
         offsets, total = [], 0
-        for w in weights:
+        for w, may_compact in zip(weights, compact, strict=True):
             if w.dtype != dtype or not self.supports(w):
                 raise ValueError(f"cannot pack a {w.dtype} weight of shape {tuple(w.shape)} with {dtype} weights")
+            codes.append(self._try_codes4(w) if may_compact and dtype == torch.float32 else None)
             offsets.append(total)
-            numel = int(self._numel[dtype](w.shape[0], w.shape[1]))
-            total += -(-numel // _ALIGN_ELEMS) * _ALIGN_ELEMS
-        arena = empty_hugepage_backed(total, dtype, huge_pages)
+            total += -(-self._packed_bytes(w, codes[-1]) // _ALIGN_BYTES) * _ALIGN_BYTES
+        arena = empty_hugepage_backed(total, torch.uint8, huge_pages)
         packed = []
-        for w, offset in zip(weights, offsets, strict=True):
+        for w, w_codes, offset in zip(weights, codes, offsets, strict=True):
             n, k = w.shape
+            data = arena[offset : offset + self._packed_bytes(w, w_codes)]
+            if w_codes is not None:
+                data.copy_(w_codes)
+                packed.append(PackedWeight(data, n, k, self, codes4=True))
+                continue
+            data = data.view(dtype)
             w = w.contiguous()
-            data = arena[offset : offset + int(self._numel[dtype](n, k))]
             self._pack[dtype](w.data_ptr(), k, n, k, data.data_ptr())
             packed.append(PackedWeight(data, n, k, self))
         return packed
+
+    def _packed_bytes(self, w: torch.Tensor, codes: torch.Tensor | None) -> int:
+        if codes is not None:
+            return codes.numel()
+        return int(self._numel[w.dtype](w.shape[0], w.shape[1])) * w.dtype.itemsize
+
+    def _try_codes4(self, w: torch.Tensor) -> torch.Tensor | None:
+        """``w``'s codes (uint8, gemm_codes4.h's layout), or None where some group is not exactly 4-bit codes."""
+        n, k = w.shape
+        nbytes = int(self._codes4_bytes(n, k))
+        if nbytes < 0:
+            return None
+        w = w.contiguous()
+        out = torch.empty(nbytes, dtype=torch.uint8)
+        return out if self._pack_codes4(w.data_ptr(), k, n, k, out.data_ptr()) == 0 else None
 
     def linear(
         self, x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None, out_dtype: torch.dtype | None = None
@@ -113,7 +150,10 @@ class CpuGemm:
         out_dtype = out_dtype or x.dtype
         out = torch.empty((x.shape[0], weight.n), dtype=out_dtype)
         bias32 = None if bias is None else bias.float().contiguous()
-        self._gemm[x.dtype](
+        if weight.codes4 and x.dtype != torch.float32:
+            raise ValueError(f"a weight kept as 4-bit codes multiplies float32 activations, not {x.dtype}")
+        gemm = self._gemm_codes4 if weight.codes4 else self._gemm[x.dtype]
+        gemm(
             x.data_ptr(),
             x.stride(0),
             weight.data.data_ptr(),
@@ -130,8 +170,10 @@ class CpuGemm:
 
     def argmax(self, x: torch.Tensor, weight: PackedWeight, screen: ArgmaxScreen | None = None) -> torch.Tensor | None:
         """x [T, k] -> [T] int64, the column of each row's largest entry of x @ W.T (the first of equals), without
-        writing the [T, n] product; None for T > 256 (the caller computes the product instead). With a ``screen``
-        (float32 x), the same answer through the bfloat16 screen."""
+        writing the [T, n] product; None for T > 256 or a weight kept as codes (the caller computes the product
+        instead). With a ``screen`` (float32 x), the same answer through the bfloat16 screen."""
+        if weight.codes4:
+            return None
         if screen is not None and x.dtype == torch.float32:
             out, status = self.screened_argmax(x, weight, screen)
             if status != -2:

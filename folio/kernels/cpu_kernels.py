@@ -46,6 +46,7 @@ class CpuKernels:
     ops: CpuOps | None = field(default=None)
     block_copy: BlockCopy = field(default=aten_copy_blocks)  # the KV block copies the plan chose
     huge_pages: bool = True  # packed weights on huge pages (an engine's choice: cpu_huge_pages)
+    compact_weights: bool = True  # float32 weights that are exact 4-bit codes kept as codes (cpu_compact_weights)
 
     @property
     def tier(self) -> IsaTier:

@@ -28,7 +28,9 @@ typedef struct {
     const void *qkv, *o, *gate_up, *down;
     const float *qkv_bias; /* [(NH + 2 KV) D] float32, or NULL */
     void *k_cache, *v_cache;
+    int codes4; /* the projections kept as 4-bit codes (gemm_codes4.h), float32 models only: CODES4_* bits */
 } LlamaLayerParams;
+enum { CODES4_QKV = 1, CODES4_O = 2, CODES4_GATE_UP = 4, CODES4_DOWN = 8 };
 
 typedef struct {
     int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate;

@@ -51,6 +51,16 @@ int CAT(folio_llama_forward_, FORWARD_SUFFIX)(const LlamaModelParams *m, const L
         _Pragma("omp master") if (m->all_reduce_proj() != 0) reduce_failed = 1;                                  \
         _Pragma("omp barrier") PHASE_DONE(PHASE_ALL_REDUCE) if (reduce_failed) break;                            \
     }
+/* a projection's GEMM: over its float32 layout, or over its 4-bit codes where the layer's codes4 bit says so */
+#if IS_BF16
+#define LAYER_GEMM(bit, x, lda, w, ...) CAT(gemm_body_, SUFFIX)(x, lda, w, __VA_ARGS__);
+#else
+#define LAYER_GEMM(bit, x, lda, w, ...)                                                                          \
+    if (p->codes4 & (bit))                                                                                       \
+        gemm_body_codes4(x, lda, (const uint8_t *)(w), __VA_ARGS__);                                             \
+    else                                                                                                         \
+        gemm_body_f32(x, lda, w, __VA_ARGS__);
+#endif
         for (int64_t l = 0; l < m->num_layers; ++l) {
             const LlamaLayerParams *p = &m->layers[l];
             if (l == 0) /* the embeddings are the residual stream; the layer's input is their norm */
@@ -58,7 +68,7 @@ int CAT(folio_llama_forward_, FORWARD_SUFFIX)(const LlamaModelParams *m, const L
             else
                 CAT(rms_norm_body_, SUFFIX)(proj, H, hidden, p->input_norm, out, hidden, T, H, m->eps);
             PHASE_DONE(PHASE_NORM)
-            CAT(gemm_body_, SUFFIX)(out, H, p->qkv, p->qkv_bias, qkv, IS_BF16, qkv_size, T, qkv_size, H, &side);
+            LAYER_GEMM(CODES4_QKV, out, H, p->qkv, p->qkv_bias, qkv, IS_BF16, qkv_size, T, qkv_size, H, &side)
             PHASE_DONE(PHASE_QKV)
             CAT(rope_and_cache_body_, FORWARD_SUFFIX)(qkv, qkv_size, s->cos, s->sin, p->k_cache, p->v_cache, s->slots, &kv,
                                                       T, m->num_heads, m->num_kv_heads, D);
@@ -78,16 +88,16 @@ int CAT(folio_llama_forward_, FORWARD_SUFFIX)(const LlamaModelParams *m, const L
                 side.k_base = (const char *)m->layers[l + 1].k_cache;
                 side.v_base = (const char *)m->layers[l + 1].v_cache;
             }
-            CAT(gemm_body_, SUFFIX)(attn_out, q_size, p->o, NULL, proj, IS_BF16, H, T, H, q_size, &side);
+            LAYER_GEMM(CODES4_O, attn_out, q_size, p->o, NULL, proj, IS_BF16, H, T, H, q_size, &side)
             PHASE_DONE(PHASE_O)
             ALL_REDUCE_PROJ()
             CAT(rms_norm_body_, SUFFIX)(proj, H, hidden, p->post_norm, out, hidden, T, H, m->eps);
             PHASE_DONE(PHASE_NORM)
-            CAT(gemm_body_, SUFFIX)(out, H, p->gate_up, NULL, gate_up, IS_BF16, 2 * inter, T, 2 * inter, H, &side);
+            LAYER_GEMM(CODES4_GATE_UP, out, H, p->gate_up, NULL, gate_up, IS_BF16, 2 * inter, T, 2 * inter, H, &side)
             PHASE_DONE(PHASE_GATE_UP)
             CAT(silu_and_mul_body_, SUFFIX)(gate_up, 2 * inter, act, T, inter);
             PHASE_DONE(PHASE_SILU)
-            CAT(gemm_body_, SUFFIX)(act, inter, p->down, NULL, proj, IS_BF16, H, T, H, inter, &side);
+            LAYER_GEMM(CODES4_DOWN, act, inter, p->down, NULL, proj, IS_BF16, H, T, H, inter, &side)
             PHASE_DONE(PHASE_DOWN)
             ALL_REDUCE_PROJ()
         }
@@ -95,6 +105,7 @@ int CAT(folio_llama_forward_, FORWARD_SUFFIX)(const LlamaModelParams *m, const L
             CAT(rms_norm_body_, SUFFIX)(proj, H, hidden, m->final_norm, out, hidden, T, H, m->eps);
             PHASE_DONE(PHASE_NORM)
         }
+#undef LAYER_GEMM
 #undef ALL_REDUCE_PROJ
 #undef PHASE_DONE
     }

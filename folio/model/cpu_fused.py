@@ -59,6 +59,7 @@ class _LayerParams(ctypes.Structure):
         ("qkv_bias", _ptr),
         ("k_cache", _ptr),
         ("v_cache", _ptr),
+        ("codes4", _int),
     ]
 
 
@@ -112,6 +113,9 @@ class _Step(ctypes.Structure):
     ]
 
 
+_CODES4_BITS = (1, 2, 4, 8)  # LlamaLayerParams.codes4: q|k|v, o, gate|up, down kept as 4-bit codes (llama_cpu.c)
+
+
 def _packed(module: Any) -> PackedWeight:
     packed = module.packed_weight
     assert isinstance(packed, PackedWeight)
@@ -159,6 +163,13 @@ class FusedCpuDecoder:
             params.o = _packed(layer.self_attn.o_proj).data.data_ptr()
             params.gate_up = _packed(layer.mlp.gate_up_proj).data.data_ptr()
             params.down = _packed(layer.mlp.down_proj).data.data_ptr()
+            projections = (
+                layer.self_attn.qkv_proj,
+                layer.self_attn.o_proj,
+                layer.mlp.gate_up_proj,
+                layer.mlp.down_proj,
+            )
+            params.codes4 = sum(bit for bit, m in zip(_CODES4_BITS, projections, strict=True) if _packed(m).codes4)
             bias = layer.self_attn.qkv_proj.bias
             if bias is not None:
                 self._keep.append(bias.detach().float().contiguous())

@@ -194,9 +194,13 @@ class LlamaForCausalLM(nn.Module):
         head_weight = self.model.embed_tokens.weight.data if self.lm_head is None else self.lm_head.weight.data
         if kernels.plan.lm_head_argmax == "folio_bf16_screen" and kernels.gemm is not None:
             self.lm_head_screen = kernels.gemm.build_screen(head_weight, kernels.huge_pages)
+        compact = [True] * len(weights)  # the projections may stay 4-bit codes; the LM head's arg-max reads float32
         if self.lm_head is None:
             weights.append(head_weight)
-        packed = pack_weights(weights, kernels)
+            compact.append(False)
+        else:
+            compact[linears.index(self.lm_head)] = False
+        packed = pack_weights(weights, kernels, compact)
         for module, packed_weight in zip(linears, packed, strict=False):
             module.adopt_packed(packed_weight)
         if self.lm_head is None:

@@ -13,6 +13,7 @@ from folio.config import EngineConfig
 from folio.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from folio.kernels.cpu_kernels import CPU_KERNEL_DTYPES, CpuKernels, load_cpu_kernels
 from folio.kernels.cpu_plan import check_cpu_dtype
+from folio.model.layers.cpu_gemm import codes_summary
 from folio.model.llama import LlamaForCausalLM
 from folio.model.loader import ModelSpec, load_model
 from folio.model.noop import NoopCausalLM
@@ -288,6 +289,8 @@ class Worker:
             show_progress=self.world.rank == 0,
             before_each_tensor=self._govern_threads if self._threads is not None else None,
         )
+        if self.cpu_kernels is not None and (summary := codes_summary(model)) is not None:
+            logger.info("%s", summary)
         return model, spec
 
     def _shard(self, model: LlamaForCausalLM) -> None:
@@ -302,8 +305,11 @@ class Worker:
         if self.device.type != "cpu" or self.dtype not in CPU_KERNEL_DTYPES:
             return None
         # the library and plan are the process's (cached); where this engine's memory goes is its own
+        cpu_config = self.config.cpu_config
         kernels = replace(
-            load_cpu_kernels(self.config.cpu_config.tier(), self.dtype), huge_pages=self.config.cpu_config.huge_pages
+            load_cpu_kernels(cpu_config.tier(), self.dtype),
+            huge_pages=cpu_config.huge_pages,
+            compact_weights=cpu_config.compact_weights,
         )
         check_cpu_dtype(kernels.plan.dtype_name, kernels.tier)
         eager = " (fused decoder off: enforce_eager)" if self.config.model_config.enforce_eager else ""

@@ -27,12 +27,31 @@ def can_pack(kernels: CpuKernels | None) -> bool:
     return kernels is not None and kernels.plan.gemm in ("folio", "onednn")
 
 
-def pack_weights(weights: list[torch.Tensor], kernels: CpuKernels) -> list[Any]:
-    """weights [out, in] (one dtype) -> opaque packed forms that only ``packed_linear`` reads, in order."""
+def pack_weights(weights: list[torch.Tensor], kernels: CpuKernels, compact: list[bool] | None = None) -> list[Any]:
+    """weights [out, in] (one dtype) -> opaque packed forms that only ``packed_linear`` reads, in order. Where the
+    engine allows it (``kernels.compact_weights``), a weight whose ``compact`` entry is True (default: every
+    weight) is kept as its 4-bit codes if it is exactly such codes (folio/kernels/gemm_codes4.h)."""
     gemm = kernels.gemm
     if gemm is not None and all(CpuGemm.supports(w) for w in weights):
-        return list(gemm.pack_all(weights, kernels.huge_pages))
+        if not kernels.compact_weights:
+            compact = [False] * len(weights)
+        return list(gemm.pack_all(weights, kernels.huge_pages, compact or [True] * len(weights)))
     return [torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), _ONEDNN_BATCH_HINT) for w in weights]
+
+
+def codes_summary(model: torch.nn.Module) -> str | None:
+    """The start-up line on weights kept as 4-bit codes (``pack_weights``): how many, and their bytes against
+    float32's; None where none is."""
+    packed = [p for m in model.modules() if isinstance(p := getattr(m, "packed_weight", None), PackedWeight)]
+    codes = [p for p in packed if p.codes4]
+    if not codes:
+        return None
+    mib = sum(p.data.numel() for p in codes) / 2**20
+    float32_mib = sum(p.n * p.k * 4 for p in codes) / 2**20
+    return (
+        f"{len(codes)} of {len(packed)} linear layers kept as their exact 4-bit codes: {mib:.1f} MiB instead of "
+        f"{float32_mib:.1f} MiB in float32, the same outputs (cpu_compact_weights)"
+    )
 
 
 def pack_weight(weight: torch.Tensor, kernels: CpuKernels) -> Any:

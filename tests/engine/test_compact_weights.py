@@ -1,0 +1,53 @@
+"""The default model's float32 weights kept as their 4-bit codes (cpu_compact_weights, folio/kernels/gemm_codes4.h):
+the same tokens and the same logprobs, bit for bit, as the float32 layout, through the fused decoder and layer by
+layer, greedy and seeded."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from folio import LLM, SamplingParams
+from folio.kernels.cpu_gemm import PackedWeight
+from folio.model.layers.linear import Linear
+from tests.engine.prompts import all_prompt_token_ids
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=5)
+SEEDED = SamplingParams(temperature=0.8, seed=7, max_tokens=24, ignore_eos=True, logprobs=5)
+
+
+def _packed_linears(llm: LLM) -> list[PackedWeight]:
+    model = llm.llm_engine.executor.worker.model_runner.model
+    return [m.packed_weight for m in model.modules() if isinstance(m, Linear)]
+
+
+def _outputs(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], list[dict[int, float]]]]:
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    params = [GREEDY] * (len(prompts) - 1) + [SEEDED]
+    runs = []
+    for out in llm.generate(requests, params, use_tqdm=False):
+        completion = out.outputs[0]
+        assert completion.logprobs is not None
+        runs.append(
+            (list(completion.token_ids), [{t: lp.logprob for t, lp in step.items()} for step in completion.logprobs])
+        )
+    return runs
+
+
+def test_codes_give_the_float32_engines_outputs(llm: LLM, make_llm: Callable[..., LLM], tokenizer: Any) -> None:
+    packed = _packed_linears(llm)
+    if not all(isinstance(p, PackedWeight) for p in packed):
+        pytest.skip("this CPU's float32 plan packs with oneDNN: no codes")
+    assert all(p.codes4 for p in packed), "every projection of the Q4_1 GGUF is exactly 4-bit codes"
+    prompts = all_prompt_token_ids(tokenizer)[:4]
+    compact = _outputs(llm, prompts)
+
+    float32 = make_llm(cpu_compact_weights=False)
+    assert not any(p.codes4 for p in _packed_linears(float32))
+    assert _outputs(float32, prompts) == compact
+
+    layer_by_layer = make_llm(enforce_eager=True)  # the codes through the per-layer GEMM calls, not the fused decoder
+    assert all(p.codes4 for p in _packed_linears(layer_by_layer))
+    assert _outputs(layer_by_layer, prompts) == compact
