@@ -200,37 +200,49 @@ static inline void store_scalar(const Epilogue *e, int64_t row, int64_t col, flo
 #define FOR_EACH_TILE_ROWS(F) F(4) F(3) F(2) F(1)
 #endif
 
-/* A tile's prefetches at step s (weights at w): its own block ahead, the next block's share, the side lines. */
-#define TILE_PREFETCH(w, s)                                                                                       \
-    _mm_prefetch((const char *)w + PREFETCH_BYTES, _MM_HINT_T0);                                                  \
-    _mm_prefetch((const char *)w + PREFETCH_BYTES + 64, _MM_HINT_T0);                                             \
-    if (STEP_BYTES > 128) _mm_prefetch((const char *)w + PREFETCH_BYTES + 128, _MM_HINT_T0);                      \
+/* A tile's prefetches at step s beside its own block's: the next block's share, the side lines. */
+#define TILE_OTHER_PREFETCH(s)                                                                                    \
     if ((s & nb.every_mask) == 0 && nb.next < nb.end) {                                                          \
         _mm_prefetch(nb.next, _MM_HINT_T1);                                                                       \
         nb.next += 64;                                                                                            \
     }                                                                                                             \
     if ((s & sp.every_mask) == 0 && sp.index < sp.count) side_prefetch_step(&sp);
 
+/* A tile's prefetches at step s (weights at w): its own block ahead, then the others. */
+#define TILE_PREFETCH(w, s)                                                                                       \
+    _mm_prefetch((const char *)w + PREFETCH_BYTES, _MM_HINT_T0);                                                  \
+    _mm_prefetch((const char *)w + PREFETCH_BYTES + 64, _MM_HINT_T0);                                             \
+    if (STEP_BYTES > 128) _mm_prefetch((const char *)w + PREFETCH_BYTES + 128, _MM_HINT_T0);                      \
+    TILE_OTHER_PREFETCH(s)
+
+/* A tile's MR x 3 accumulators set to zero, and its copy of the side prefetch's position (TILE_FINISH). */
+#define TILE_START(MR)                                                                                            \
+    gv_f32 acc[MR][3];                                                                                           \
+    SidePrefetch sp = side != NULL ? *side : (SidePrefetch){0};                                                   \
+    _Pragma("GCC unroll 8") for (int i = 0; i < MR; ++i) {                                                       \
+        acc[i][0] = acc[i][1] = acc[i][2] = gv_zero();                                                           \
+    }
+
+/* The side prefetch's position handed back, and the accumulators through the epilogue. */
+#define TILE_FINISH(MR)                                                                                           \
+    if (side != NULL) *side = sp;                                                                                 \
+    _Pragma("GCC unroll 8") for (int i = 0; i < MR; ++i) {                                                       \
+        for (int j = 0; j < 3; ++j) gv_store(e, row0 + i, col0 + GV_LANES * j, acc[i][j]);                      \
+    }
+
 /* One tile of MR rows x BLOCK_N columns over the whole K. The element type's step (one k for float32, a k pair for
  * bfloat16) is STEP_FMA; MR is a compile-time constant so the accumulators stay in registers. */
 #define DEFINE_TILE(SUFFIX, T, MR, K_STEPS, STEP_FMA)                                                             \
     static void tile_##SUFFIX##_##MR(const T *x, int64_t lda, const T *wb, int64_t k, const Epilogue *e,          \
                                      int64_t row0, int64_t col0, NextBlock nb, SidePrefetch *side) {             \
-        gv_f32 acc[MR][3];                                                                                       \
-        SidePrefetch sp = side != NULL ? *side : (SidePrefetch){0};                                               \
-        _Pragma("GCC unroll 8") for (int i = 0; i < MR; ++i) {                                                   \
-            acc[i][0] = acc[i][1] = acc[i][2] = gv_zero();                                                       \
-        }                                                                                                         \
+        TILE_START(MR)                                                                                            \
         const int64_t steps = K_STEPS;                                                                            \
         for (int64_t s = 0; s < steps; ++s) {                                                                     \
             const T *w = (const T *)((const char *)wb + s * STEP_BYTES);                                          \
             TILE_PREFETCH(w, s)                                                                                   \
             STEP_FMA(MR)                                                                                          \
         }                                                                                                         \
-        if (side != NULL) *side = sp;                                                                             \
-        _Pragma("GCC unroll 8") for (int i = 0; i < MR; ++i) {                                                   \
-            for (int j = 0; j < 3; ++j) gv_store(e, row0 + i, col0 + GV_LANES * j, acc[i][j]);                  \
-        }                                                                                                         \
+        TILE_FINISH(MR)                                                                                           \
     }
 
 /* float32: acc[i][j] += x[i][s] * W[block col GV_LANES j + lane][s] */

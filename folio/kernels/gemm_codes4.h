@@ -169,11 +169,7 @@ static void codes4_widen_block(const uint8_t *src, int64_t k, float *dst) {
 #define DEFINE_TILE_CODES4(MR)                                                                                    \
     static void tile_codes4_##MR(const float *x, int64_t lda, const uint8_t *wb, int64_t k, const Epilogue *e,   \
                                  int64_t row0, int64_t col0, NextBlock nb, SidePrefetch *side) {                 \
-        gv_f32 acc[MR][3];                                                                                       \
-        SidePrefetch sp = side != NULL ? *side : (SidePrefetch){0};                                               \
-        _Pragma("GCC unroll 8") for (int i = 0; i < MR; ++i) {                                                   \
-            acc[i][0] = acc[i][1] = acc[i][2] = gv_zero();                                                       \
-        }                                                                                                         \
+        TILE_START(MR)                                                                                            \
         int64_t s = 0;                                                                                            \
         for (int64_t g = 0; g < k / CODES4_GROUP; ++g) {                                                          \
             const uint8_t *group = wb + g * CODES4_GROUP_BYTES;                                                   \
@@ -182,11 +178,7 @@ static void codes4_widen_block(const uint8_t *src, int64_t k, float *dst) {
             for (int p = 0; p < CODES4_GROUP / 2; ++p, ++s) {                                                     \
                 const uint8_t *pair = codes + p * BLOCK_N;                                                        \
                 _mm_prefetch((const char *)group + CODES4_GROUP_BYTES + 64 * p, _MM_HINT_T0);                     \
-                if ((s & nb.every_mask) == 0 && nb.next < nb.end) {                                              \
-                    _mm_prefetch(nb.next, _MM_HINT_T1);                                                           \
-                    nb.next += 64;                                                                                \
-                }                                                                                                 \
-                if ((s & sp.every_mask) == 0 && sp.index < sp.count) side_prefetch_step(&sp);                    \
+                TILE_OTHER_PREFETCH(s)                                                                            \
                 gv_f32 lo[3], hi[3];                                                                              \
                 _Pragma("GCC unroll 3") for (int j = 0; j < 3; ++j) {                                             \
                     const gv_i32 bytes = CODES4_BYTES(pair, j);                                                  \
@@ -213,10 +205,7 @@ static void codes4_widen_block(const uint8_t *src, int64_t k, float *dst) {
                 }                                                                                                 \
             }                                                                                                     \
         }                                                                                                         \
-        if (side != NULL) *side = sp;                                                                             \
-        _Pragma("GCC unroll 8") for (int i = 0; i < MR; ++i) {                                                   \
-            for (int j = 0; j < 3; ++j) gv_store(e, row0 + i, col0 + GV_LANES * j, acc[i][j]);                  \
-        }                                                                                                         \
+        TILE_FINISH(MR)                                                                                           \
     }
 FOR_EACH_TILE_ROWS(DEFINE_TILE_CODES4)
 
