@@ -3,6 +3,12 @@
     .venv/bin/python benchmarks/cpu_gemm.py                                   # every tier this CPU runs
     .venv/bin/python benchmarks/cpu_gemm.py --tiers avx2 --dtypes float32 --rows 1,64
     .venv/bin/python benchmarks/cpu_gemm.py --onednn-max-isa AVX2             # oneDNN limited to AVX2 too
+    .venv/bin/python benchmarks/cpu_gemm.py --dtypes float32,codes4 --rows 1,8,64
+
+``codes4``: float32 weights that are exactly what a GGUF's Q4_1 tensors dequantize to (gguf's quantizer on random
+weights, then Folio's dequantizer), which Folio's GEMM keeps as their 4-bit codes (folio/kernels/gemm_codes4.h,
+the engine's cpu_compact_weights) and oneDNN multiplies in float32: the same products (Folio's bits equal its
+float32 layout's), from a sixth of the weight bytes.
 
 The projections of SmolLM2-135M (q|k|v, gate|up, down; o and the tied LM head with --shapes) at several row
 counts M (1-4: decode of a few requests, 64: W1's decode batch, 256-2048: prefill chunks). For M <= 64 thirty
@@ -22,10 +28,13 @@ import time
 from collections.abc import Callable
 
 import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import quantize
 
 from folio.kernels.cpu_build import load_kernel_library, native_tier
 from folio.kernels.cpu_gemm import CpuGemm
 from folio.kernels.isa import IsaTier, cpu_info
+from folio.model.gguf_dequant import dequantize_to_float32
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
 
@@ -48,8 +57,19 @@ def best_call_seconds(
     return best
 
 
-def folio_calls(gemm: CpuGemm, weights: list[torch.Tensor], x: torch.Tensor) -> list[Callable[[], None]]:
-    return [functools.partial(gemm.linear, x, p, None) for p in gemm.pack_all(weights)]
+def folio_calls(
+    gemm: CpuGemm, weights: list[torch.Tensor], x: torch.Tensor, codes: bool = False
+) -> list[Callable[[], None]]:
+    packed = gemm.pack_all(weights, compact=[codes] * len(weights))
+    if codes and not all(p.codes4 for p in packed):
+        raise SystemExit("codes4: a weight was not kept as codes")
+    return [functools.partial(gemm.linear, x, p, None) for p in packed]
+
+
+def q4_1_weight(n: int, k: int) -> torch.Tensor:
+    """A random float32 [n, k] weight as a GGUF's Q4_1 tensor dequantizes (exactly 4-bit codes per 32 inputs)."""
+    raw = quantize(torch.randn(n, k).numpy(), GGMLQuantizationType.Q4_1)
+    return dequantize_to_float32(raw, GGMLQuantizationType.Q4_1, (n, k)).contiguous()
 
 
 def onednn_calls(weights: list[torch.Tensor], x: torch.Tensor) -> list[Callable[[], None]] | None:
@@ -63,7 +83,7 @@ def onednn_calls(weights: list[torch.Tensor], x: torch.Tensor) -> list[Callable[
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated: float32, bfloat16")
+    parser.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated: float32, bfloat16, codes4")
     parser.add_argument("--tiers", default="", help="comma-separated --cpu-isa tiers (default: avx2 up to this CPU's)")
     parser.add_argument("--rows", default="1,4,16,64,256,2048", help="comma-separated M values")
     parser.add_argument("--shapes", default="qkv,gate_up,down", help=f"comma-separated, of {', '.join(SHAPES)}")
@@ -98,16 +118,21 @@ def main() -> None:
     print("GFLOP/s per shape: " + " / ".join([*names, "onednn"]))
     torch.manual_seed(0)
     for dtype_name in ns.dtypes.split(","):
-        dtype = getattr(torch, dtype_name)
+        codes = dtype_name == "codes4"
+        dtype = torch.float32 if codes else getattr(torch, dtype_name)
         for m in (int(v) for v in ns.rows.split(",")):
             cells = []
             for shape in ns.shapes.split(","):
                 n, k = SHAPES[shape]
                 copies = 1 if shape == "lm_head" else (30 if m <= 64 else 2)
-                weights = [torch.randn(n, k).to(dtype) for _ in range(copies)]
+                if codes:  # one quantized weight, copied: the copies still come from memory one by one
+                    first = q4_1_weight(n, k)
+                    weights = [first.clone() for _ in range(copies)]
+                else:
+                    weights = [torch.randn(n, k).to(dtype) for _ in range(copies)]
                 x = torch.randn(m, k).to(dtype)
                 flops = 2 * m * n * k  # one call
-                runners = [folio_calls(gemm, weights, x) for gemm in gemms.values()]
+                runners = [folio_calls(gemm, weights, x, codes) for gemm in gemms.values()]
                 onednn = None if ns.no_onednn else onednn_calls(weights, x)
                 seconds = best_call_seconds([*runners, *([onednn] if onednn is not None else [])], ns.rounds, clock)
                 figures = [f"{flops / t / 1e9:4.0f}" for t in seconds] + (["   -"] if onednn is None else [])
