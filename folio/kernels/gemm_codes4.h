@@ -4,9 +4,10 @@
  * the step (SmolLM2-135M: 424 MB a step). Weights dequantized from a GGUF's Q4_1 tensors are, in every group of 32
  * consecutive k of one output column, a value m plus a multiple d * q of a step d, q in 0..15, each rounded to
  * float32 (fl(fl(d * q) + m), as gguf_dequant.py and ggml compute it). Such a weight is kept as its codes and the
- * two float32 numbers per group (6 bits a weight) and widened back, exactly, into a float32 block in L2 just before
- * the float32 tiles multiply it: the same products and sums in the same order as the float32 layout, so the same
- * bits out, from 80 MB a step instead of 424.
+ * two float32 numbers per group (6 bits a weight) and widened back to the same float32 values as the GEMM reads it:
+ * in registers inside the tile where a chunk of rows is one tile (a decode step of a few requests), else once per
+ * block into a float32 block in L2 that the float32 tiles then read. Either way the same products and sums in the
+ * same order as the float32 layout, so the same bits out, from 80 MB a step instead of 424.
  * Packing checks every weight element: a weight with any group that does not reproduce bit for bit (another
  * quantization, a fine-tuned float32 weight) is refused, and the caller packs it as float32.
  *
