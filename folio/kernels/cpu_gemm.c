@@ -115,6 +115,29 @@ static void argmax_reset(float *best_val, int32_t *best_col, int64_t count) {
     }
 }
 
+/* The per-thread bests of an arg-max over m rows ([threads][m][16] each), allocated and reset: 0, or -1 (nothing
+ * allocated) where memory ran out. argmax_finish merges them into out_ids and frees them. */
+static int argmax_start(int64_t threads, int64_t m, float **best_val, int32_t **best_col) {
+    *best_val = malloc(sizeof(float) * threads * m * 16);
+    *best_col = malloc(sizeof(int32_t) * threads * m * 16);
+    if (*best_val == NULL || *best_col == NULL) {
+        free(*best_val);
+        free(*best_col);
+        return -1;
+    }
+    argmax_reset(*best_val, *best_col, threads * m * 16);
+    return 0;
+}
+
+static void argmax_merge(const float *best_val, const int32_t *best_col, int64_t threads, int64_t m,
+                         int64_t *out_ids);
+
+static void argmax_finish(float *best_val, int32_t *best_col, int64_t threads, int64_t m, int64_t *out_ids) {
+    argmax_merge(best_val, best_col, threads, m, out_ids);
+    free(best_val);
+    free(best_col);
+}
+
 /* out_ids[r]: over every thread's 16 lanes of row r (best_val / best_col [threads][m][16], as the arg-max
  * epilogue leaves them), the largest value and the first column among equals; 0 where nothing beat -FLT_MAX. */
 static void argmax_merge(const float *best_val, const int32_t *best_col, int64_t threads, int64_t m,

@@ -27,6 +27,24 @@ _SCREEN_NORM_ROWS = 4096  # rows widened to float64 at a time for the screen's n
 _ALIGN_BYTES = 256  # each packed weight starts on a 256-byte boundary of the arena (64 float32 elements)
 
 
+def _bind(lib: ctypes.CDLL, name: str, argtypes: list[Any], restype: Any) -> Any:
+    """The library's function ``name`` with its ctypes signature set."""
+    function = getattr(lib, name)
+    function.argtypes, function.restype = argtypes, restype
+    return function
+
+
+def _try_codes(w: torch.Tensor, packed_bytes: Any, pack: Any) -> torch.Tensor | None:
+    """``w`` [n, k] packed by one of the codes' packers (uint8), or None where it is not exactly such codes."""
+    n, k = w.shape
+    nbytes = int(packed_bytes(n, k))
+    if nbytes < 0:
+        return None
+    w = w.contiguous()
+    out = torch.empty(nbytes, dtype=torch.uint8)
+    return out if pack(w.data_ptr(), k, n, k, out.data_ptr()) == 0 else None
+
+
 @dataclass(frozen=True)
 class PackedWeight:
     """A weight [n, k] in the kernel's blocked layout (cpu_gemm.c); only ``CpuGemm.linear`` reads ``data``."""
@@ -46,6 +64,17 @@ class ArgmaxScreen:
     packed: PackedWeight  # the weight packed for bfloat16
     w_norm: torch.Tensor  # [n] float32, at least each row's L2 norm
     w_abs_max: float  # at least max |w|
+
+
+@dataclass(frozen=True)
+class Codes8Head:
+    """A float32 LM head whose values are exactly 8-bit codes times a step per 32 inputs (a GGUF's Q8_0), kept as
+    those codes for the greedy arg-max of a few rows (gemm_codes4.h): the float32 logits' token from 9 bits a
+    weight."""
+
+    data: torch.Tensor  # uint8, folio_gemm_pack_codes8's layout
+    n: int
+    k: int
 
 
 class CpuGemm:
@@ -75,13 +104,13 @@ class CpuGemm:
         screened.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, ctypes.c_float, _i64, _i64, _i64, _ptr, _int]
         screened.restype = _int
         self._argmax_screened = screened
-        self._codes4_bytes = lib.folio_gemm_packed_bytes_codes4
-        self._codes4_bytes.argtypes, self._codes4_bytes.restype = [_i64, _i64], _i64
-        self._pack_codes4 = lib.folio_gemm_pack_codes4
-        self._pack_codes4.argtypes, self._pack_codes4.restype = [_ptr, _i64, _i64, _i64, _ptr], _int
-        self._gemm_codes4 = lib.folio_gemm_codes4
-        self._gemm_codes4.argtypes = self._gemm[torch.float32].argtypes
-        self._gemm_codes4.restype = None
+        # the codes' entry points (gemm_codes4.h): sizes, packing (0: exact codes), the GEMM and the LM head's arg-max
+        self._codes4_bytes = _bind(lib, "folio_gemm_packed_bytes_codes4", [_i64, _i64], _i64)
+        self._pack_codes4 = _bind(lib, "folio_gemm_pack_codes4", [_ptr, _i64, _i64, _i64, _ptr], _int)
+        self._gemm_codes4 = _bind(lib, "folio_gemm_codes4", self._gemm[torch.float32].argtypes, None)
+        self._codes8_bytes = _bind(lib, "folio_gemm_packed_bytes_codes8", [_i64, _i64], _i64)
+        self._pack_codes8 = _bind(lib, "folio_gemm_pack_codes8", [_ptr, _i64, _i64, _i64, _ptr], _int)
+        self._argmax_codes8 = _bind(lib, "folio_gemm_argmax_codes8", self._argmax[torch.float32].argtypes, _int)
 
     @staticmethod
     def supports(weight: torch.Tensor) -> bool:
@@ -133,13 +162,7 @@ class CpuGemm:
 
     def _try_codes4(self, w: torch.Tensor) -> torch.Tensor | None:
         """``w``'s codes (uint8, gemm_codes4.h's layout), or None where some group is not exactly 4-bit codes."""
-        n, k = w.shape
-        nbytes = int(self._codes4_bytes(n, k))
-        if nbytes < 0:
-            return None
-        w = w.contiguous()
-        out = torch.empty(nbytes, dtype=torch.uint8)
-        return out if self._pack_codes4(w.data_ptr(), k, n, k, out.data_ptr()) == 0 else None
+        return _try_codes(w, self._codes4_bytes, self._pack_codes4)
 
     def linear(
         self, x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None, out_dtype: torch.dtype | None = None
@@ -191,6 +214,27 @@ class CpuGemm:
             out.data_ptr(),
             torch.get_num_threads(),
         )
+        return out if status == 0 else None
+
+    def pack_codes8(self, weight: torch.Tensor) -> Codes8Head | None:
+        """``weight`` [n, k] float32 as 8-bit codes, or None where some group of 32 is not exactly such codes."""
+        if weight.dtype != torch.float32 or weight.dim() != 2:
+            return None
+        data = _try_codes(weight, self._codes8_bytes, self._pack_codes8)
+        return None if data is None else Codes8Head(data, weight.shape[0], weight.shape[1])
+
+    def argmax_codes8(self, x: torch.Tensor, head: Codes8Head) -> torch.Tensor | None:
+        """``argmax`` of float32 x [T, k] over the head's codes (the float32 logits' token, the first of equals);
+        None where the kernel does not run (more rows than one tile, the generic tier)."""
+        if x.dtype != torch.float32:
+            return None
+        if x.stride(-1) != 1 or x.dim() != 2:
+            x = x.reshape(-1, x.shape[-1]).contiguous()
+        out = torch.empty(x.shape[0], dtype=torch.int64)
+        status = self._argmax_codes8(
+            x.data_ptr(), x.stride(0), head.data.data_ptr(), x.shape[0], head.n, head.k, out.data_ptr(),
+            torch.get_num_threads(),
+        )  # fmt: skip
         return out if status == 0 else None
 
     def build_screen(self, weight: torch.Tensor, huge_pages: bool = True) -> ArgmaxScreen | None:

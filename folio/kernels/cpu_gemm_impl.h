@@ -83,15 +83,9 @@ void CAT(folio_gemm_, SUFFIX)(const ELEM_T *x, int64_t lda, const ELEM_T *packed
  * logits back for their arg-max). NaN entries are never chosen. Returns 0, or -1 if it could not allocate. */
 int CAT(folio_gemm_argmax_, SUFFIX)(const ELEM_T *x, int64_t lda, const ELEM_T *packed, int64_t m, int64_t n,
                                     int64_t k, int64_t *out_ids, int num_threads) {
-    if (m > CHUNK_M) return -1;
-    float *best_val = malloc(sizeof(float) * num_threads * m * 16);
-    int32_t *best_col = malloc(sizeof(int32_t) * num_threads * m * 16);
-    if (best_val == NULL || best_col == NULL) {
-        free(best_val);
-        free(best_col);
-        return -1;
-    }
-    argmax_reset(best_val, best_col, num_threads * m * 16);
+    float *best_val;
+    int32_t *best_col;
+    if (m > CHUNK_M || argmax_start(num_threads, m, &best_val, &best_col) != 0) return -1;
 #pragma omp parallel num_threads(num_threads)
     {
         const int64_t tid = omp_get_thread_num();
@@ -109,8 +103,6 @@ int CAT(folio_gemm_argmax_, SUFFIX)(const ELEM_T *x, int64_t lda, const ELEM_T *
             }
         }
     }
-    argmax_merge(best_val, best_col, num_threads, m, out_ids);
-    free(best_val);
-    free(best_col);
+    argmax_finish(best_val, best_col, num_threads, m, out_ids);
     return 0;
 }

@@ -20,7 +20,7 @@ from torch import nn
 
 from folio.attention.backends.base import AttentionBackend
 from folio.attention.metadata import AttnMetadata
-from folio.kernels.cpu_gemm import ArgmaxScreen, PackedWeight
+from folio.kernels.cpu_gemm import ArgmaxScreen, Codes8Head, PackedWeight
 from folio.kernels.cpu_kernels import CpuKernels
 from folio.model.cpu_fused import FusedCpuDecoder
 from folio.model.layers.activation import silu_and_mul
@@ -159,6 +159,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if spec.tie_word_embeddings else Linear(spec.hidden_size, spec.vocab_size)
         self.tied_lm_head_packed: Any = None  # set by pack_for_cpu when embeddings are tied
         self.lm_head_screen: ArgmaxScreen | None = None  # set by pack_for_cpu where the plan screens the arg-max
+        self.lm_head_codes8: Codes8Head | None = None  # set by pack_for_cpu where the head is exactly 8-bit codes
 
     def forward(
         self,
@@ -184,6 +185,11 @@ class LlamaForCausalLM(nn.Module):
         head = self.tied_lm_head_packed if self.lm_head is None else self.lm_head.packed_weight
         if not isinstance(head, PackedWeight) or (self.lm_head is not None and self.lm_head.bias is not None):
             return None
+        if (
+            self.lm_head_codes8 is not None
+            and (ids := head.gemm.argmax_codes8(hidden, self.lm_head_codes8)) is not None
+        ):
+            return ids
         return head.gemm.argmax(hidden, head, self.lm_head_screen)
 
     def pack_for_cpu(self, kernels: CpuKernels) -> None:
@@ -194,6 +200,8 @@ class LlamaForCausalLM(nn.Module):
         head_weight = self.model.embed_tokens.weight.data if self.lm_head is None else self.lm_head.weight.data
         if kernels.plan.lm_head_argmax == "folio_bf16_screen" and kernels.gemm is not None:
             self.lm_head_screen = kernels.gemm.build_screen(head_weight, kernels.huge_pages)
+        if kernels.plan.lm_head_argmax != "off" and kernels.gemm is not None and kernels.compact_weights:
+            self.lm_head_codes8 = kernels.gemm.pack_codes8(head_weight)
         compact = [True] * len(weights)  # the projections may stay 4-bit codes; the LM head's arg-max reads float32
         if self.lm_head is None:
             weights.append(head_weight)

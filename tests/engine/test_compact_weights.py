@@ -1,6 +1,6 @@
 """The default model's float32 weights kept as their 4-bit codes (cpu_compact_weights, folio/kernels/gemm_codes4.h):
 the same tokens and the same logprobs, bit for bit, as the float32 layout, through the fused decoder and layer by
-layer, greedy and seeded."""
+layer, greedy and seeded; and the tied Q8_0 LM head's greedy arg-max over its 8-bit codes, the same tokens."""
 
 from __future__ import annotations
 
@@ -36,6 +36,13 @@ def _outputs(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], list[d
     return runs
 
 
+def _greedy_tokens(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    """Greedy without logprobs: the LM head's arg-max path (8-bit codes for the tied Q8_0 head), not the logits."""
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [list(out.outputs[0].token_ids) for out in outputs]
+
+
 def test_codes_give_the_float32_engines_outputs(llm: LLM, make_llm: Callable[..., LLM], tokenizer: Any) -> None:
     packed = _packed_linears(llm)
     if not all(isinstance(p, PackedWeight) for p in packed):
@@ -43,10 +50,13 @@ def test_codes_give_the_float32_engines_outputs(llm: LLM, make_llm: Callable[...
     assert all(p.codes4 for p in packed), "every projection of the Q4_1 GGUF is exactly 4-bit codes"
     prompts = all_prompt_token_ids(tokenizer)[:4]
     compact = _outputs(llm, prompts)
+    one_by_one = [_greedy_tokens(llm, [p])[0] for p in prompts[:2]]  # one row: the codes' arg-max
+    assert llm.llm_engine.executor.worker.model_runner.model.lm_head_codes8 is not None
 
     float32 = make_llm(cpu_compact_weights=False)
     assert not any(p.codes4 for p in _packed_linears(float32))
     assert _outputs(float32, prompts) == compact
+    assert [_greedy_tokens(float32, [p])[0] for p in prompts[:2]] == one_by_one
 
     layer_by_layer = make_llm(enforce_eager=True)  # the codes through the per-layer GEMM calls, not the fused decoder
     assert all(p.codes4 for p in _packed_linears(layer_by_layer))

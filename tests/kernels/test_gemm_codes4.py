@@ -194,3 +194,42 @@ def test_the_engines_choice_turns_codes_off() -> None:
     [on] = pack_weights([w], kernels)
     [off] = pack_weights([w], dataclasses.replace(kernels, compact_weights=False))
     assert on.codes4 and not off.codes4
+
+
+def _q8_0_weight(n: int, k: int, seed: int) -> torch.Tensor:
+    """A float32 [n, k] weight as a GGUF's Q8_0 tensor dequantizes (an int8 code times a float16 step per 32)."""
+    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
+    raw = quantize(w, GGMLQuantizationType.Q8_0)
+    return dequantize_to_float32(raw, GGMLQuantizationType.Q8_0, (n, k)).contiguous()
+
+
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 49152, 576), (1, 7, 32), (3, 100, 64), (4, 49, 96), (8, 1000, 576)])
+def test_lm_head_codes_give_the_float32_arg_max(cpu_tier: IsaTier, m: int, n: int, k: int) -> None:
+    """8-bit codes (a GGUF's Q8_0) for the greedy LM head: the float32 path's token, ties to the first column."""
+    gemm = _gemm(cpu_tier)
+    w = _q8_0_weight(n, k, seed=n + m)
+    w[n // 2] = w[n // 3]  # two equal columns: a tie whenever they win
+    head = gemm.pack_codes8(w)
+    assert head is not None, "an exact Q8_0 weight must be kept as codes"
+    [plain] = gemm.pack_all([w])
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(k))
+    x[0] = w[n // 3] * 4  # row 0 picks the tied pair
+    got = gemm.argmax_codes8(x, head)
+    tile_rows = {IsaTier.GENERIC: 0, IsaTier.AVX2: 4}.get(cpu_tier, 8)  # no vector tile on generic
+    if m > tile_rows:
+        assert got is None  # the caller takes the float32 paths
+        return
+    assert got is not None and got.tolist() == gemm.argmax(x, plain).tolist()
+    assert int(got[0]) == min(n // 2, n // 3)
+    torch.testing.assert_close(got, (x.double() @ w.double().T).argmax(dim=1), rtol=0, atol=0)
+
+
+def test_lm_head_codes_leave_more_rows_and_other_weights_to_float32(cpu_tier: IsaTier) -> None:
+    gemm = _gemm(cpu_tier)
+    head = gemm.pack_codes8(_q8_0_weight(64, 64, seed=1))
+    assert head is not None and gemm.argmax_codes8(torch.randn(9, 64), head) is None  # more rows than any tile
+    assert gemm.pack_codes8(torch.randn(64, 64)) is None
+    assert gemm.pack_codes8(_q8_0_weight(64, 96, seed=1)[:, :80].contiguous()) is None
+    w = _q8_0_weight(16, 32, seed=2)
+    w[3, 5] = torch.nextafter(w[3, 5], torch.tensor(float("inf")))
+    assert gemm.pack_codes8(w) is None
