@@ -366,4 +366,5 @@ FOR_EACH_TILE_ROWS(DEFINE_TILE_BF16)
 #undef USE_AMX
 
 #include "gemm_codes4.h"
+#include "gemm_codes8_argmax.h"
 #include "gemm_argmax_screen.h"

@@ -10,8 +10,11 @@ from __future__ import annotations
 from torch import nn
 
 from folio.kernels.cpu_kernels import CpuKernels
-from folio.model.layers.cpu_gemm import can_pack
+from folio.logger import init_logger
+from folio.model.layers.cpu_gemm import can_pack, codes_summary
 from folio.model.llama import LlamaForCausalLM
+
+logger = init_logger()
 
 
 def bind_cpu_kernels(model: nn.Module, kernels: CpuKernels) -> int:
@@ -32,5 +35,7 @@ def prepare_for_cpu(
     bind_cpu_kernels(model, kernels)
     if can_pack(kernels):
         model.pack_for_cpu(kernels)
+        if (summary := codes_summary(model)) is not None:
+            logger.info("%s", summary)
         if not enforce_eager:
             model.model.enable_fused_cpu(kernels, kv_prefetch_bytes)

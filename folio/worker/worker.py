@@ -13,7 +13,6 @@ from folio.config import EngineConfig
 from folio.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from folio.kernels.cpu_kernels import CPU_KERNEL_DTYPES, CpuKernels, load_cpu_kernels
 from folio.kernels.cpu_plan import check_cpu_dtype
-from folio.model.layers.cpu_gemm import codes_summary
 from folio.model.llama import LlamaForCausalLM
 from folio.model.loader import ModelSpec, load_model
 from folio.model.noop import NoopCausalLM
@@ -289,8 +288,6 @@ class Worker:
             show_progress=self.world.rank == 0,
             before_each_tensor=self._govern_threads if self._threads is not None else None,
         )
-        if self.cpu_kernels is not None and (summary := codes_summary(model)) is not None:
-            logger.info("%s", summary)
         return model, spec
 
     def _shard(self, model: LlamaForCausalLM) -> None:

@@ -33,9 +33,8 @@ def pack_weights(weights: list[torch.Tensor], kernels: CpuKernels, compact: list
     weight) is kept as its 4-bit codes if it is exactly such codes (folio/kernels/gemm_codes4.h)."""
     gemm = kernels.gemm
     if gemm is not None and all(CpuGemm.supports(w) for w in weights):
-        if not kernels.compact_weights:
-            compact = [False] * len(weights)
-        return list(gemm.pack_all(weights, kernels.huge_pages, compact or [True] * len(weights)))
+        allowed = [kernels.compact_weights and may for may in (compact or [True] * len(weights))]
+        return list(gemm.pack_all(weights, kernels.huge_pages, allowed))
     return [torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), _ONEDNN_BATCH_HINT) for w in weights]
 
 
