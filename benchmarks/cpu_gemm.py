@@ -58,9 +58,9 @@ def best_call_seconds(
 
 
 def folio_calls(
-    gemm: CpuGemm, weights: list[torch.Tensor], x: torch.Tensor, codes: bool = False
+    gemm: CpuGemm, weights: list[torch.Tensor], x: torch.Tensor, codes: bool = False, amx: bool = False
 ) -> list[Callable[[], None]]:
-    packed = gemm.pack_all(weights, compact=[codes] * len(weights))
+    packed = gemm.pack_all(weights, compact=[codes] * len(weights), amx_float32=amx)
     if codes and not all(p.codes4 for p in packed):
         raise SystemExit("codes4: a weight was not kept as codes")
     return [functools.partial(gemm.linear, x, p, None) for p in packed]
@@ -83,7 +83,9 @@ def onednn_calls(weights: list[torch.Tensor], x: torch.Tensor) -> list[Callable[
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated: float32, bfloat16, codes4")
+    parser.add_argument(
+        "--dtypes", default="float32,bfloat16", help="comma-separated: float32, bfloat16, codes4, codes4_amx"
+    )
     parser.add_argument("--tiers", default="", help="comma-separated --cpu-isa tiers (default: avx2 up to this CPU's)")
     parser.add_argument("--rows", default="1,4,16,64,256,2048", help="comma-separated M values")
     parser.add_argument("--shapes", default="qkv,gate_up,down", help=f"comma-separated, of {', '.join(SHAPES)}")
@@ -118,7 +120,7 @@ def main() -> None:
     print("GFLOP/s per shape: " + " / ".join([*names, "onednn"]))
     torch.manual_seed(0)
     for dtype_name in ns.dtypes.split(","):
-        codes = dtype_name == "codes4"
+        codes = dtype_name in ("codes4", "codes4_amx")
         dtype = torch.float32 if codes else getattr(torch, dtype_name)
         for m in (int(v) for v in ns.rows.split(",")):
             cells = []
@@ -132,7 +134,7 @@ def main() -> None:
                     weights = [torch.randn(n, k).to(dtype) for _ in range(copies)]
                 x = torch.randn(m, k).to(dtype)
                 flops = 2 * m * n * k  # one call
-                runners = [folio_calls(gemm, weights, x, codes) for gemm in gemms.values()]
+                runners = [folio_calls(gemm, weights, x, codes, dtype_name == "codes4_amx") for gemm in gemms.values()]
                 onednn = None if ns.no_onednn else onednn_calls(weights, x)
                 seconds = best_call_seconds([*runners, *([onednn] if onednn is not None else [])], ns.rounds, clock)
                 figures = [f"{flops / t / 1e9:4.0f}" for t in seconds] + (["   -"] if onednn is None else [])

@@ -134,6 +134,9 @@ class CpuConfig:
     # float32 weights that are exactly 4-bit codes (a GGUF's Q4_1 dequantized) kept as those codes: the same outputs
     # bit for bit from a sixth of the weight bytes (folio/kernels/gemm_codes4.h)
     compact_weights: bool = True
+    # on the amx tier, the GEMMs over those codes of more rows than a vector tile run on AMX's bfloat16 tiles with
+    # x split in three exact parts: every product exact, float32 sums in another order (gemm_codes4_amx.h)
+    amx_float32: bool = True
 
     def __post_init__(self) -> None:
         resolve_cpu_isa(self.isa, cpu_info()[1], is_x86_64())  # a clear error now, not in the engine process
@@ -275,6 +278,7 @@ class EngineArgs:
     cpu_adaptive_threads: bool = True  # fewer kernel threads while other processes take cores
     cpu_huge_pages: bool = True  # packed weights and KV cache on 2 MiB pages (off: faster start on some VMs)
     cpu_compact_weights: bool = True  # float32 weights that are exact 4-bit codes (GGUF Q4_1) kept as codes
+    cpu_amx_float32: bool = True  # amx tier: GEMMs over those codes above a vector tile of rows on AMX, exact products
     # {"backend": "auto" | "guidance" | "xgrammar"} (vLLM's name), or a StructuredOutputsConfig
     structured_outputs_config: StructuredOutputsConfig | dict[str, object] | None = None
     # {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n, "prompt_lookup_min": m} (vLLM's
@@ -389,6 +393,7 @@ class EngineArgs:
                 adaptive_threads=self.cpu_adaptive_threads,
                 huge_pages=self.cpu_huge_pages,
                 compact_weights=self.cpu_compact_weights,
+                amx_float32=self.cpu_amx_float32,
             ),
             structured_outputs_config=structured_outputs_config,
             speculative_config=speculative_config,

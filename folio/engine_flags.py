@@ -157,6 +157,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "the same outputs bit for bit from a sixth of the weight bytes (default on)",
     )
     g.add_argument(
+        "--cpu-amx-float32",
+        action=argparse.BooleanOptionalAction,
+        default=d.cpu_amx_float32,
+        help="CPU, float32, amx tier: run the GEMMs over weights kept as 4-bit codes (--cpu-compact-weights) on "
+        "AMX's bfloat16 tiles where a step has more rows than one vector tile (8), x split into three bfloat16 "
+        "parts that sum to it exactly: every product exact, float32 sums in another order, so float32 accuracy "
+        "but not the float32 layout's bits (default on; off: the FMA tiles)",
+    )
+    g.add_argument(
         "--structured-outputs-config",
         type=json_object_arg,
         default=None,

@@ -21,18 +21,22 @@ typedef struct {
 static _Thread_local int64_t amx_rows_configured; /* 0: this thread's tile configuration is not ours */
 #define AMX_FORGET() (amx_rows_configured = 0)
 
-static void amx_configure(int64_t rows) {
-    if (amx_rows_configured == rows) return;
+/* Tiles 0..count-1 of 64 bytes a row: those in b_tiles (a bit mask) 16 k pairs high (B operands), the others
+ * `rows` high. `key` names the layout (its row count and kind), so a thread loads it only when another was last. */
+static void amx_configure_tiles(int64_t key, int64_t rows, unsigned b_tiles, int count) {
+    if (amx_rows_configured == key) return;
     AmxTileConfig cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette_id = 1;
-    for (int t = 0; t < 7; ++t) {
-        cfg.rows[t] = (uint8_t)(t >= 1 && t <= 3 ? AMX_K_STEP / 2 : rows);
+    for (int t = 0; t < count; ++t) {
+        cfg.rows[t] = (uint8_t)((b_tiles >> t) & 1u ? AMX_K_STEP / 2 : rows);
         cfg.colsb[t] = 64;
     }
     _tile_loadconfig(&cfg);
-    amx_rows_configured = rows;
+    amx_rows_configured = key;
 }
+
+static void amx_configure(int64_t rows) { amx_configure_tiles(rows, rows, 0xeu, 7); } /* B: tiles 1-3 */
 
 /* One k step of 32: C[0..2] += A (rows x 32 of x, a_stride bytes apart) . B (the block's 16 k pairs at w) */
 static inline __attribute__((always_inline)) void amx_step(const uint16_t *a, int64_t a_stride, const uint16_t *w) {

@@ -241,10 +241,23 @@ static float *codes4_block_scratch(int64_t k) {
     return codes4_scratch;
 }
 
+#include "gemm_codes4_amx.h"
+
 /* gemm_body_f32 over codes: each work item widens its block once into the thread's float32 block (L2), then runs
- * the float32 tiles of its chunk's rows over it. The next block's codes are pulled toward L2 meanwhile. */
+ * the float32 tiles of its chunk's rows over it. The next block's codes are pulled toward L2 meanwhile. With `amx`
+ * (the amx tier only), more rows than one vector tile run on AMX instead (gemm_codes4_amx.h): float32 accuracy,
+ * not the float32 layout's bits. */
 static void gemm_body_codes4(const float *x, int64_t lda, const uint8_t *packed, const float *bias, void *out,
-                             int out_is_bf16, int64_t ldc, int64_t m, int64_t n, int64_t k, SidePrefetch *side) {
+                             int out_is_bf16, int64_t ldc, int64_t m, int64_t n, int64_t k, SidePrefetch *side,
+                             int amx) {
+#if GEMM_AMX
+    if (amx && m > TILE_M) {
+        gemm_body_codes4_amx(x, lda, packed, bias, out, out_is_bf16, ldc, m, n, k, side);
+        return;
+    }
+#else
+    (void)amx;
+#endif
     const Epilogue e = {out, out_is_bf16, ldc, bias, n, NULL, NULL, NULL};
     const int64_t blocks = num_blocks(n), chunks = (m + CHUNK_M - 1) / CHUNK_M;
     const int64_t chunk_rows = ((m + chunks - 1) / chunks + TILE_M - 1) / TILE_M * TILE_M;
@@ -281,5 +294,14 @@ static void gemm_body_codes4(const float *x, int64_t lda, const uint8_t *packed,
 void folio_gemm_codes4(const float *x, int64_t lda, const uint8_t *packed, const float *bias, void *out,
                        int out_is_bf16, int64_t ldc, int64_t m, int64_t n, int64_t k, int num_threads) {
 #pragma omp parallel num_threads(num_threads) if (num_blocks(n) * ((m + CHUNK_M - 1) / CHUNK_M) > 1)
-    gemm_body_codes4(x, lda, packed, bias, out, out_is_bf16, ldc, m, n, k, NULL);
+    gemm_body_codes4(x, lda, packed, bias, out, out_is_bf16, ldc, m, n, k, NULL, 0);
 }
+
+/* folio_gemm_codes4 with more rows than one vector tile on AMX where this library has it (cpu_amx_float32) */
+void folio_gemm_codes4_amx(const float *x, int64_t lda, const uint8_t *packed, const float *bias, void *out,
+                           int out_is_bf16, int64_t ldc, int64_t m, int64_t n, int64_t k, int num_threads) {
+#pragma omp parallel num_threads(num_threads) if (num_blocks(n) * ((m + CHUNK_M - 1) / CHUNK_M) > 1)
+    gemm_body_codes4(x, lda, packed, bias, out, out_is_bf16, ldc, m, n, k, NULL, 1);
+}
+
+int folio_gemm_codes4_has_amx(void) { return GEMM_AMX; }

@@ -30,7 +30,8 @@ typedef struct {
     void *k_cache, *v_cache;
     int codes4; /* the projections kept as 4-bit codes (gemm_codes4.h), float32 models only: CODES4_* bits */
 } LlamaLayerParams;
-enum { CODES4_QKV = 1, CODES4_O = 2, CODES4_GATE_UP = 4, CODES4_DOWN = 8 };
+/* CODES4_AMX: those GEMMs run on AMX above one vector tile of rows (gemm_codes4_amx.h, cpu_amx_float32) */
+enum { CODES4_QKV = 1, CODES4_O = 2, CODES4_GATE_UP = 4, CODES4_DOWN = 8, CODES4_AMX = 16 };
 
 typedef struct {
     int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate;

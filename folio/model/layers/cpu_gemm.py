@@ -30,11 +30,12 @@ def can_pack(kernels: CpuKernels | None) -> bool:
 def pack_weights(weights: list[torch.Tensor], kernels: CpuKernels, compact: list[bool] | None = None) -> list[Any]:
     """weights [out, in] (one dtype) -> opaque packed forms that only ``packed_linear`` reads, in order. Where the
     engine allows it (``kernels.compact_weights``), a weight whose ``compact`` entry is True (default: every
-    weight) is kept as its 4-bit codes if it is exactly such codes (folio/kernels/gemm_codes4.h)."""
+    weight) is kept as its 4-bit codes if it is exactly such codes (folio/kernels/gemm_codes4.h), multiplied on AMX
+    above a vector tile of rows where the tier has it and the engine allows it (``kernels.amx_float32``)."""
     gemm = kernels.gemm
     if gemm is not None and all(CpuGemm.supports(w) for w in weights):
         allowed = [kernels.compact_weights and may for may in (compact or [True] * len(weights))]
-        return list(gemm.pack_all(weights, kernels.huge_pages, allowed))
+        return list(gemm.pack_all(weights, kernels.huge_pages, allowed, kernels.amx_float32))
     return [torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), _ONEDNN_BATCH_HINT) for w in weights]
 
 

@@ -1,0 +1,164 @@
+"""The float32 GEMM over 4-bit codes on AMX (folio/kernels/gemm_codes4_amx.h, cpu_amx_float32), amx tier only:
+float32 accuracy (x split into three bfloat16 parts, every product exact, float32 sums in another order), so each
+result is held to the float32 layout's own error against a float64 product, not to its bits; one vector tile of
+rows or fewer keeps the float32 layout's bits; a row's result does not depend on the rows beside it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from folio.kernels.cpu_build import native_tier
+from folio.kernels.cpu_gemm import CpuGemm, PackedWeight
+from folio.kernels.cpu_kernels import load_cpu_kernels
+from folio.kernels.isa import IsaTier
+from folio.model.layers.cpu_gemm import pack_weights
+from tests.kernels.test_gemm_codes4 import _assert_same_bits, _edge_weight, _gemm, _grouped, _q4_1_weight
+
+pytestmark = pytest.mark.skipif(native_tier() < IsaTier.AMX, reason="AMX tiles: the amx tier only")
+
+
+def _packed(w: torch.Tensor) -> tuple[CpuGemm, PackedWeight, PackedWeight]:
+    """The amx library, w in the float32 layout, and w as codes multiplied on AMX."""
+    gemm = _gemm(IsaTier.AMX)
+    [plain] = gemm.pack_all([w])
+    [amx] = gemm.pack_all([w], compact=[True], amx_float32=True)
+    assert amx.codes4 and amx.codes4_amx
+    return gemm, plain, amx
+
+
+def _assert_float32_accurate(got: torch.Tensor, plain: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    """Each of got's errors against the float64 product at most twice the float32 layout's worst plus eight float32
+    roundings of |x| . (|w| + 2 |m|), m the group's offset (its minimum): the group sums of x times m and of x
+    times the codes each round once in float32, on the scale of their own terms."""
+    reference = x.double() @ w.double().T
+    offsets = w.double().reshape(w.shape[0], -1, 32).amin(-1, keepdim=True).abs().expand(-1, -1, 32)
+    magnitude = x.double().abs() @ (w.double().abs() + 2 * offsets.reshape(w.shape)).T
+    allowed = 2 * (plain.double() - reference).abs().max() + 8 * 2.0**-24 * magnitude
+    excess = (got.double() - reference).abs() - allowed
+    assert excess.max().item() <= 0, (excess.argmax().item(), excess.max().item())
+
+
+def test_exact_wherever_the_float32_result_is_exact() -> None:
+    """x of 18 significant bits (all three bfloat16 parts needed), one per group of 32 in each row, and steps and
+    offsets that are powers of two: every product and sum is exact in float32, so both paths give the float64
+    product exactly. A part of x left out, or a group's step or offset misapplied, shows at once."""
+    gen = torch.Generator().manual_seed(12)
+    n, groups, m = 50, 2, 24
+    q = torch.randint(0, 16, (n, groups, 32), generator=gen)
+    q[:, :, 0], q[:, :, 1] = 0, 15  # each group spans 0..15: its step is exactly d
+    d = torch.full((n, groups), 2.0**-3).half()
+    offset = torch.full((n, groups), -1.0).half()
+    w = _grouped(d, offset, q)
+    gemm, plain, amx = _packed(w)
+    mantissa = (2**17 + torch.randint(0, 2**17, (m, groups), generator=gen)).double() * 2.0**-17
+    signs = torch.randint(0, 2, (m, groups), generator=gen).double() * 2 - 1
+    x = torch.zeros(m, groups * 32, dtype=torch.float64)
+    where = torch.randint(0, 32, (m, groups), generator=gen) + 32 * torch.arange(groups)
+    x.scatter_(1, where, mantissa * signs)
+    exact = (x @ w.double().T).float()
+    _assert_same_bits(gemm.linear(x.float(), amx, None), exact)
+    _assert_same_bits(gemm.linear(x.float(), plain, None), exact)
+
+
+SHAPES = [
+    (9, 100, 64),  # the fewest rows on AMX: one short tile, a column past a block
+    (16, 48, 32),  # one full tile, one group
+    (17, 49, 96),  # a full tile and a one-row tile
+    (64, 3072, 576),  # gate|up at W1's decode batch
+    (64, 576, 1536),  # down
+    (40, 7, 64),  # fewer columns than a vector
+    (300, 200, 64),  # two chunks of rows
+]
+
+
+@pytest.mark.parametrize(("m", "n", "k"), SHAPES)
+def test_codes_on_amx_are_float32_accurate(m: int, n: int, k: int) -> None:
+    w = _q4_1_weight(n, k, seed=m * 31 + n)
+    gemm, plain, amx = _packed(w)
+    gen = torch.Generator().manual_seed(m + k)
+    x = torch.randn(m, k, generator=gen) * torch.logspace(-3, 3, k)  # inputs over six decades
+    bias = torch.randn(n, generator=gen)
+    _assert_float32_accurate(gemm.linear(x, amx, None), gemm.linear(x, plain, None), x, w)
+    _assert_same_bits(gemm.linear(x, amx, bias), gemm.linear(x, amx, None) + bias)
+    bf16 = gemm.linear(x, amx, None, torch.bfloat16).float()
+    torch.testing.assert_close(bf16, gemm.linear(x, amx, None).to(torch.bfloat16).float(), rtol=0, atol=0)
+    strided = torch.randn(m, k + 32, generator=gen)[:, 16 : 16 + k]  # rows k + 32 apart
+    _assert_same_bits(gemm.linear(strided, amx, None), gemm.linear(strided.contiguous(), amx, None))
+
+
+def test_one_vector_tile_of_rows_keeps_the_float32_bits() -> None:
+    gemm, plain, amx = _packed(_q4_1_weight(150, 128, seed=3))
+    for m in (1, 5, 8):
+        x = torch.randn(m, 128)
+        _assert_same_bits(gemm.linear(x, amx, None), gemm.linear(x, plain, None))
+
+
+def test_a_rows_result_does_not_depend_on_its_neighbours() -> None:
+    """Each output row comes from its own x row alone, at any row count on AMX and in any place of a tile."""
+    gemm, _, amx = _packed(_q4_1_weight(96, 576, seed=4))
+    x = torch.randn(300, 576)
+    whole = gemm.linear(x, amx, None)
+    for rows in (slice(0, 9), slice(5, 21), slice(100, 164), slice(290, 300)):
+        _assert_same_bits(gemm.linear(x[rows], amx, None), whole[rows])
+
+
+def test_edge_groups_stay_float32_accurate() -> None:
+    """Zero steps, float16-subnormal and largest steps, tiny and large offsets; x from 1e-30 to 1e30."""
+    gen = torch.Generator().manual_seed(3)
+    d, m, q = _edge_weight(41, 4, gen)
+    d[0:4] = 0.0
+    d[4:8] = torch.tensor(5.96e-08).half()
+    d[8:12] = torch.tensor(1e-6).half()
+    d[12:16] = torch.tensor(65504.0).half()
+    m[16:20] = torch.tensor(3e-7).half()
+    m[20:24] = torch.tensor(-2.0).half()
+    w = _grouped(d, m, q)
+    gemm, plain, amx = _packed(w)
+    x = torch.randn(20, 4 * 32, generator=gen)
+    x[0, :3] = torch.tensor([1e30, -1e-30, 0.0])
+    x[1] *= 1e-30
+    x[2] *= 1e20
+    got, want = gemm.linear(x, amx, None), gemm.linear(x, plain, None)
+    for row in range(20):  # each row against its own scale
+        _assert_float32_accurate(got[row : row + 1], want[row : row + 1], x[row : row + 1], w)
+
+
+def test_non_finite_inputs_give_non_finite_rows() -> None:
+    """A NaN or inf in x: that row is not finite (NaN where the float32 layout may say +-inf); the others are
+    untouched."""
+    gemm, plain, amx = _packed(_q4_1_weight(30, 64, seed=5))
+    x = torch.randn(17, 64)
+    clean = gemm.linear(x, amx, None)
+    x[0, 5], x[1, 9] = float("nan"), float("inf")
+    got, want = gemm.linear(x, amx, None), gemm.linear(x, plain, None)
+    assert not got[:2].isfinite().any() and not want[:2].isfinite().any()
+    _assert_same_bits(got[2:], clean[2:])
+
+
+def test_amx_tiles_are_configured_again_after_other_users() -> None:
+    """The bfloat16 AMX GEMM and oneDNN set other tile shapes in the same threads between the codes' calls."""
+    gemm, plain, amx = _packed(_q4_1_weight(96, 64, seed=6))
+    [bf16] = gemm.pack_all([torch.randn(70, 64).bfloat16()])
+    x = torch.randn(40, 64)
+    first = gemm.linear(x, amx, None)
+    for m in (16, 9, 33):
+        gemm.linear(torch.randn(m, 64).bfloat16(), bf16, None)
+        torch.nn.functional.linear(torch.randn(33, 256).bfloat16(), torch.randn(70, 256).bfloat16())
+        _assert_same_bits(gemm.linear(x[:m], amx, None), first[:m])
+
+
+def test_the_engines_choice_and_the_tier_decide() -> None:
+    """pack_weights puts the codes on AMX only where the engine allows it (cpu_amx_float32) and the library has
+    AMX; a library of a lower tier multiplies them with its FMA tiles, whatever the engine asks."""
+    kernels = load_cpu_kernels(IsaTier.AMX, torch.float32)
+    assert kernels.gemm is not None and kernels.amx_float32
+    w = _q4_1_weight(24, 64, seed=9)
+    [on] = pack_weights([w], kernels)
+    [off] = pack_weights([w], dataclasses.replace(kernels, amx_float32=False))
+    assert on.codes4_amx and off.codes4 and not off.codes4_amx
+    [lower] = _gemm(IsaTier.AVX512_BF16).pack_all([w], compact=[True], amx_float32=True)
+    assert lower.codes4 and not lower.codes4_amx
