@@ -4,11 +4,14 @@
     .venv/bin/python benchmarks/cpu_gemm.py --tiers avx2 --dtypes float32 --rows 1,64
     .venv/bin/python benchmarks/cpu_gemm.py --onednn-max-isa AVX2             # oneDNN limited to AVX2 too
     .venv/bin/python benchmarks/cpu_gemm.py --dtypes float32,codes4 --rows 1,8,64
+    .venv/bin/python benchmarks/cpu_gemm.py --dtypes float32,codes4,codes4_amx --tiers amx --rows 16,64,256,2048
 
 ``codes4``: float32 weights that are exactly what a GGUF's Q4_1 tensors dequantize to (gguf's quantizer on random
 weights, then Folio's dequantizer), which Folio's GEMM keeps as their 4-bit codes (folio/kernels/gemm_codes4.h,
 the engine's cpu_compact_weights) and oneDNN multiplies in float32: the same products (Folio's bits equal its
-float32 layout's), from a sixth of the weight bytes.
+float32 layout's), from a sixth of the weight bytes. ``codes4_amx``: the same weights with the engine's
+cpu_amx_float32 (folio/kernels/gemm_codes4_amx.h): more rows than one vector tile on the amx tier's AMX tiles, x
+split into three exact bfloat16 parts (float32 accuracy, not the float32 layout's bits); other tiers as codes4.
 
 The projections of SmolLM2-135M (q|k|v, gate|up, down; o and the tied LM head with --shapes) at several row
 counts M (1-4: decode of a few requests, 64: W1's decode batch, 256-2048: prefill chunks). For M <= 64 thirty

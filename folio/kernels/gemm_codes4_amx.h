@@ -18,6 +18,10 @@
  * registers) while the next group's tdpbf16ps run. */
 #if GEMM_AMX
 #define CODES4_AMX_PART 512 /* bfloat16 of one part of x in a row tile's group: 16 rows x 32 k */
+/* side lines (the fused decoder's next K/V, SidePrefetch) per group and column tile. One fetches about a tenth of
+ * W1's next-layer K/V; eight (the float32 tiles' rate per FLOP) fetched all of it; W1 ran as fast with one, with
+ * eight and with no side prefetch at all (benchmarks/ab_offline.py, docs/performance.md, session 36). */
+#define CODES4_AMX_SIDE_LINES 1
 
 /* Each thread's split of x (its chunk's row tiles: [tile][group][part][16][32] bfloat16, then the group sums
  * [tile][group][16] float32) and its block of codes widened to bfloat16 pairs ([k / 2][BLOCK_N][2]). */
@@ -83,67 +87,64 @@ static void codes4_amx_widen_block(const uint8_t *src, int64_t k, uint16_t *dst)
     }
 }
 
+/* One group's S (tile 4 or 5) on tdpbf16ps: zeroed, then the three parts of x times the codes (tile 3). */
+#define CODES4_AMX_GROUP(C)                                                                                       \
+    _tile_zero(C);                                                                                                \
+    _tile_dpbf16ps(C, 0, 3);                                                                                      \
+    _tile_dpbf16ps(C, 1, 3);                                                                                      \
+    _tile_dpbf16ps(C, 2, 3);
+
 /* rows (<= 16) x the block's 48 columns, over K. parts / sums: this row tile's split; block: the codes (for d and
- * m); wide: the block widened. The tile unit runs its loads and tdpbf16ps one after the other (a 1 KB tile load
- * costs about as much as a tdpbf16ps here), so each group loads x's three parts once for all three column tiles:
- * 6 loads for 9 tdpbf16ps. Its sums S go to memory (tiles 4-6, stored) and are scaled into the float32
- * accumulators (in L1) one group later, while the tile unit works through the next group. Side lines (the fused
- * decoder's next K/V) go one per group. */
+ * m); wide: the block widened. One column tile at a time, so that its 16 float32 accumulators stay in registers:
+ * per group the codes' tile and x's three parts load, three tdpbf16ps sum into S (tiles 4 and 5 in turn), and the
+ * previous group's S is stored and scaled into the accumulators. (x's parts loaded once per group for all three
+ * column tiles, the accumulators then in L1, ran 5-10% slower here: benchmarks/cpu_gemm.py, docs/performance.md.) */
 static void tile_codes4_amx(const uint16_t *parts, const float *sums, const uint8_t *block, const uint16_t *wide,
                             int64_t k, int64_t rows, const Epilogue *e, int64_t row0, int64_t col0, SidePrefetch *sp) {
-    amx_configure_tiles(AMX_TILE_M + 1 + rows, rows, 0x88u, 8); /* A: 0-2, B: 3 and 7, S: 4-6 */
+    amx_configure_tiles(AMX_TILE_M + 1 + rows, rows, 0x8u, 6); /* A: 0-2, B: 3, S: 4-5 */
     AMX_MEMORY_BARRIER();
     const int64_t groups = k / CODES4_GROUP;
-    float s[2][3][AMX_TILE_M * 16] __attribute__((aligned(64)));
-    float acc[3][AMX_TILE_M * 16] __attribute__((aligned(64)));
-    memset(acc, 0, sizeof acc);
-    for (int64_t g = 0; g <= groups; ++g) {
-        if (g < groups) {
-            const uint16_t *a = parts + g * 3 * CODES4_AMX_PART, *w = wide + g * (CODES4_GROUP / 2) * BLOCK_N * 2;
-            float(*sg)[AMX_TILE_M * 16] = s[g & 1];
-            _tile_loadd(0, a, 64);
-            _tile_loadd(1, a + CODES4_AMX_PART, 64);
-            _tile_loadd(2, a + 2 * CODES4_AMX_PART, 64);
-            _tile_loadd(3, w, BLOCK_N * 4);
-            _tile_loadd(7, w + 32, BLOCK_N * 4);
-            _tile_zero(4);
-            _tile_zero(5);
-            _tile_zero(6);
-            _tile_dpbf16ps(4, 0, 3);
-            _tile_dpbf16ps(4, 1, 3);
-            _tile_dpbf16ps(4, 2, 3);
-            _tile_loadd(3, w + 64, BLOCK_N * 4);
-            _tile_dpbf16ps(5, 0, 7);
-            _tile_dpbf16ps(5, 1, 7);
-            _tile_dpbf16ps(5, 2, 7);
-            _tile_dpbf16ps(6, 0, 3);
-            _tile_dpbf16ps(6, 1, 3);
-            _tile_dpbf16ps(6, 2, 3);
-            _tile_stored(4, sg[0], 64);
-            _tile_stored(5, sg[1], 64);
-            _tile_stored(6, sg[2], 64);
-            if (sp != NULL && sp->index < sp->count) side_prefetch_step(sp);
-        }
-        AMX_MEMORY_BARRIER();
-        if (g > 0) { /* the previous group's S, scaled by its d, and its m times x's group sums */
-            const int64_t h = g - 1;
-            const float *d = (const float *)(block + h * CODES4_GROUP_BYTES);
-            float(*sh)[AMX_TILE_M * 16] = s[h & 1];
-            for (int j = 0; j < 3; ++j) {
-                const __m512 dv = _mm512_loadu_ps(d + 16 * j), mv = _mm512_loadu_ps(d + BLOCK_N + 16 * j);
+    float s[2][AMX_TILE_M * 16] __attribute__((aligned(64)));
+    for (int j = 0; j < 3; ++j) {
+        __m512 acc[AMX_TILE_M];
+        _Pragma("GCC unroll 16") for (int r = 0; r < AMX_TILE_M; ++r) acc[r] = _mm512_setzero_ps();
+        for (int64_t g = 0; g <= groups; ++g) {
+            if (g < groups) {
+                const uint16_t *a = parts + g * 3 * CODES4_AMX_PART;
+                _tile_loadd(3, wide + (g * (CODES4_GROUP / 2) * BLOCK_N + 16 * j) * 2, BLOCK_N * 4);
+                _tile_loadd(0, a, 64);
+                _tile_loadd(1, a + CODES4_AMX_PART, 64);
+                _tile_loadd(2, a + 2 * CODES4_AMX_PART, 64);
+                if (g & 1) {
+                    CODES4_AMX_GROUP(5)
+                } else {
+                    CODES4_AMX_GROUP(4)
+                }
+                for (int line = 0; line < CODES4_AMX_SIDE_LINES && sp != NULL && sp->index < sp->count; ++line)
+                    side_prefetch_step(sp);
+            }
+            if (g > 0) { /* the previous group's S, scaled by its d, and its m times x's group sums */
+                const int64_t h = g - 1;
+                float *sh = s[h & 1];
+                if (h & 1)
+                    _tile_stored(5, sh, 64);
+                else
+                    _tile_stored(4, sh, 64);
+                AMX_MEMORY_BARRIER();
+                const float *d = (const float *)(block + h * CODES4_GROUP_BYTES) + 16 * j;
+                const __m512 dv = _mm512_loadu_ps(d), mv = _mm512_loadu_ps(d + BLOCK_N);
                 _Pragma("GCC unroll 16") for (int r = 0; r < AMX_TILE_M; ++r) {
                     if (r < rows) {
-                        __m512 v = _mm512_fmadd_ps(_mm512_load_ps(sh[j] + 16 * r), dv, _mm512_load_ps(acc[j] + 16 * r));
-                        v = _mm512_fmadd_ps(_mm512_set1_ps(sums[h * AMX_TILE_M + r]), mv, v);
-                        _mm512_store_ps(acc[j] + 16 * r, v);
+                        acc[r] = _mm512_fmadd_ps(_mm512_load_ps(sh + 16 * r), dv, acc[r]);
+                        acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(sums[h * AMX_TILE_M + r]), mv, acc[r]);
                     }
                 }
             }
         }
-        AMX_MEMORY_BARRIER();
+        _Pragma("GCC unroll 16") for (int r = 0; r < AMX_TILE_M; ++r) { /* constant indices: acc stays in registers */
+            if (r < rows) store16(e, row0 + r, col0 + 16 * j, acc[r]);
+        }
     }
-    for (int j = 0; j < 3; ++j)
-        for (int r = 0; r < rows; ++r) store16(e, row0 + r, col0 + 16 * j, _mm512_load_ps(acc[j] + 16 * r));
 }
 
 /* gemm_body_codes4 on AMX, for more rows than one vector tile: each thread splits the x rows of each chunk it

@@ -15,7 +15,7 @@ from folio.kernels.cpu_build import native_tier
 from folio.kernels.cpu_gemm import CpuGemm, PackedWeight
 from folio.kernels.cpu_kernels import load_cpu_kernels
 from folio.kernels.isa import IsaTier
-from folio.model.layers.cpu_gemm import pack_weights
+from folio.model.layers.cpu_gemm import codes_summary, pack_weights
 from tests.kernels.test_gemm_codes4 import _assert_same_bits, _edge_weight, _gemm, _grouped, _q4_1_weight
 
 pytestmark = pytest.mark.skipif(native_tier() < IsaTier.AMX, reason="AMX tiles: the amx tier only")
@@ -162,3 +162,15 @@ def test_the_engines_choice_and_the_tier_decide() -> None:
     assert on.codes4_amx and off.codes4 and not off.codes4_amx
     [lower] = _gemm(IsaTier.AVX512_BF16).pack_all([w], compact=[True], amx_float32=True)
     assert lower.codes4 and not lower.codes4_amx
+
+
+def test_the_start_up_line_says_which_codes_run_on_amx() -> None:
+    w = _q4_1_weight(24, 64, seed=10)
+    gemm = _gemm(IsaTier.AMX)
+    model = torch.nn.Sequential(torch.nn.Module(), torch.nn.Module())
+    model[0].packed_weight, model[1].packed_weight = gemm.pack_all([w, w], compact=[True, True], amx_float32=True)
+    line = codes_summary(model)
+    assert line is not None and "2 of 2 linear layers" in line and "2 of them on AMX" in line, line
+    model[0].packed_weight, model[1].packed_weight = gemm.pack_all([w, w], compact=[True, False])
+    line = codes_summary(model)
+    assert line is not None and "1 of 2 linear layers" in line and "the same outputs" in line, line

@@ -48,9 +48,15 @@ def codes_summary(model: torch.nn.Module) -> str | None:
         return None
     mib = sum(p.data.numel() for p in codes) / 2**20
     float32_mib = sum(p.n * p.k * 4 for p in codes) / 2**20
+    on_amx = sum(p.codes4_amx for p in codes)
+    how = (
+        f"; {on_amx} of them on AMX above 8 rows: exact products, float32 sums in another order (cpu_amx_float32)"
+        if on_amx
+        else ", the same outputs"
+    )
     return (
         f"{len(codes)} of {len(packed)} linear layers kept as their exact 4-bit codes: {mib:.1f} MiB instead of "
-        f"{float32_mib:.1f} MiB in float32, the same outputs (cpu_compact_weights)"
+        f"{float32_mib:.1f} MiB in float32 (cpu_compact_weights){how}"
     )
 
 
