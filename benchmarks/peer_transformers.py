@@ -26,7 +26,7 @@ import torch
 
 from folio import LLM, SamplingParams
 from folio.bench.roofline import measure_matmul_flops, workload_ceiling
-from folio.config import CpuConfig
+from folio.kernels.cpu_config import CpuConfig
 from folio.kernels.isa import cpu_info, detect_tier, library_isa_env
 from folio.model.loader import default_model_path, read_model_spec
 

@@ -105,7 +105,7 @@ import json, sys
 import torch
 from folio.bench.datasets import load_w1
 from folio.bench.roofline import measure_matmul_flops, workload_ceiling
-from folio.config import CpuConfig
+from folio.kernels.cpu_config import CpuConfig
 from folio.model.loader import default_model_path, read_model_spec
 
 dtype, cpu_isa, w1 = sys.argv[1], sys.argv[2], sys.argv[3]

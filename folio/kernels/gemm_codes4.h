@@ -227,19 +227,23 @@ static void tile_codes4(const float *x, int64_t lda, const uint8_t *wb, int64_t 
 }
 #endif
 
-/* Each thread's float32 block, reused from call to call (the largest K seen): a fresh allocation of a few hundred
- * KB per call would be mapped and faulted in again every time. */
-static _Thread_local float *codes4_scratch;
-static _Thread_local int64_t codes4_scratch_floats;
+/* A thread's buffer, reused from call to call and grown to the largest size asked: a fresh allocation of a few
+ * hundred KB per call would be mapped and faulted in again every time. NULL where memory ran out. */
+typedef struct {
+    uint8_t *data;
+    int64_t bytes;
+} ThreadScratch;
 
-static float *codes4_block_scratch(int64_t k) {
-    if (codes4_scratch_floats < k * BLOCK_N) {
-        free(codes4_scratch);
-        codes4_scratch = aligned_alloc(64, (size_t)(k * BLOCK_N * (int64_t)sizeof(float)));
-        codes4_scratch_floats = codes4_scratch != NULL ? k * BLOCK_N : 0;
+static void *thread_scratch(ThreadScratch *s, int64_t bytes) {
+    if (s->bytes < bytes) {
+        free(s->data);
+        s->data = aligned_alloc(64, (size_t)((bytes + 63) & ~(int64_t)63));
+        s->bytes = s->data != NULL ? bytes : 0;
     }
-    return codes4_scratch;
+    return s->data;
 }
+
+static _Thread_local ThreadScratch codes4_scratch; /* each thread's widened float32 block */
 
 #include "gemm_codes4_amx.h"
 
@@ -262,7 +266,7 @@ static void gemm_body_codes4(const float *x, int64_t lda, const uint8_t *packed,
     const int64_t blocks = num_blocks(n), chunks = (m + CHUNK_M - 1) / CHUNK_M;
     const int64_t chunk_rows = ((m + chunks - 1) / chunks + TILE_M - 1) / TILE_M * TILE_M;
     const int64_t block_bytes = codes4_block_bytes(k);
-    float *wide = codes4_block_scratch(k);
+    float *wide = thread_scratch(&codes4_scratch, k * BLOCK_N * (int64_t)sizeof(float));
     if (wide == NULL) abort(); /* a few hundred KB per thread, once */
 #pragma omp for schedule(static)
     for (int64_t item = 0; item < blocks * chunks; ++item) {

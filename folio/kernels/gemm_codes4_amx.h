@@ -25,17 +25,7 @@
 
 /* Each thread's split of x (its chunk's row tiles: [tile][group][part][16][32] bfloat16, then the group sums
  * [tile][group][16] float32) and its block of codes widened to bfloat16 pairs ([k / 2][BLOCK_N][2]). */
-static _Thread_local uint8_t *codes4_amx_scratch;
-static _Thread_local int64_t codes4_amx_scratch_bytes;
-
-static uint8_t *codes4_amx_buffer(int64_t bytes) {
-    if (codes4_amx_scratch_bytes < bytes) {
-        free(codes4_amx_scratch);
-        codes4_amx_scratch = aligned_alloc(64, (size_t)((bytes + 63) & ~(int64_t)63));
-        codes4_amx_scratch_bytes = codes4_amx_scratch != NULL ? bytes : 0;
-    }
-    return codes4_amx_scratch;
-}
+static _Thread_local ThreadScratch codes4_amx_scratch;
 
 static inline __m512 codes4_amx_widen16(__m256bh v) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)v), 16));
@@ -161,7 +151,8 @@ static void gemm_body_codes4_amx(const float *x, int64_t lda, const uint8_t *pac
     const int64_t chunk_tiles = chunk_rows / AMX_TILE_M, block_bytes = codes4_block_bytes(k);
     const int64_t parts_bytes = chunk_tiles * groups * 3 * CODES4_AMX_PART * (int64_t)sizeof(uint16_t);
     const int64_t sums_bytes = chunk_tiles * groups * AMX_TILE_M * (int64_t)sizeof(float);
-    uint8_t *scratch = codes4_amx_buffer(parts_bytes + sums_bytes + k * BLOCK_N * (int64_t)sizeof(uint16_t));
+    const int64_t wide_bytes = k * BLOCK_N * (int64_t)sizeof(uint16_t);
+    uint8_t *scratch = thread_scratch(&codes4_amx_scratch, parts_bytes + sums_bytes + wide_bytes);
     if (scratch == NULL) abort(); /* a few MB per thread, once */
     uint16_t *parts = (uint16_t *)scratch, *wide = (uint16_t *)(scratch + parts_bytes + sums_bytes);
     float *sums = (float *)(scratch + parts_bytes);
