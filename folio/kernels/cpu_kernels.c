@@ -8,6 +8,7 @@
 #include "paged_attention_cpu.c"
 #include "llama_cpu.c"
 #include "kv_block_copy.c"
+#include "gguf_dequant.c" /* after cpu_gemm.c: codes4_value */
 
 /* The ISA tier this library was compiled for (folio/kernels/isa.py's IsaTier): decided by what the compiler was
  * allowed to emit, never by the CPU it runs on. 0 generic, 1 AVX2 + FMA + F16C, 2 AVX-512 (F/BW/DQ/VL),

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import torch
 from tqdm import tqdm
 
-from folio.model.gguf_dequant import dequantize_to_float32
+from folio.model.gguf_dequant import NativeDequantizer, dequantize_to_float32
 from folio.model.gguf_file import GGUFFile
 from folio.model.spec import ModelSpec
 
@@ -56,9 +56,10 @@ def unpermute_rotary_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 def iter_gguf_weights(
-    gguf: GGUFFile, spec: ModelSpec, show_progress: bool = True
+    gguf: GGUFFile, spec: ModelSpec, show_progress: bool = True, native: NativeDequantizer | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yields (Hugging Face name, float32 tensor) per GGUF tensor, dequantized one at a time.
+    """Yields (Hugging Face name, float32 tensor) per GGUF tensor, dequantized one at a time (by ``native``, the
+    CPU kernels' loop, where given).
 
     Raises ValueError naming the file and tensor for a tensor this loader does not know.
     """
@@ -67,7 +68,7 @@ def iter_gguf_weights(
         hf_name = hf_name_for_gguf(gguf_name)
         if hf_name is None:
             raise ValueError(f"{gguf.path}: GGUF tensor {gguf_name!r} has no known Hugging Face name")
-        tensor = dequantize_to_float32(gguf.tensor_bytes(info), info.ggml_type, info.shape)
+        tensor = dequantize_to_float32(gguf.tensor_bytes(info), info.ggml_type, info.shape, native)
         if ".attn_q." in gguf_name:
             tensor = unpermute_rotary_rows(tensor, spec.num_attention_heads)
         elif ".attn_k." in gguf_name:

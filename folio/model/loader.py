@@ -16,6 +16,7 @@ from folio.attention.backends.base import AttentionBackend
 from folio.attention.selector import get_attention_backend
 from folio.kernels.cpu_kernels import CPU_KERNEL_DTYPES, CpuKernels, load_cpu_kernels
 from folio.model.cpu_binding import prepare_for_cpu
+from folio.model.gguf_dequant import NativeDequantizer
 from folio.model.gguf_file import open_gguf
 from folio.model.gguf_loader import iter_gguf_weights
 from folio.model.gguf_spec import read_gguf_spec
@@ -52,18 +53,19 @@ def load_model(
     """
     check_exists(path)
     device = torch.device(device)
+    if cpu_kernels is None and device.type == "cpu" and dtype in CPU_KERNEL_DTYPES:
+        cpu_kernels = load_cpu_kernels(None, dtype)
     if os.path.isdir(path):
         spec = read_hf_spec(path)
         weights = iter_safetensors_weights(path, show_progress)
     else:
         gguf = open_gguf(path)
         spec = read_gguf_spec(gguf)
-        weights = iter_gguf_weights(gguf, spec, show_progress)
+        lib = cpu_kernels.lib if cpu_kernels is not None else None
+        weights = iter_gguf_weights(gguf, spec, show_progress, NativeDequantizer(lib) if lib is not None else None)
     if before_each_tensor is not None:
         weights = _calling_before_each(before_each_tensor, weights)
     model_class = get_model_class(spec.architecture)
-    if cpu_kernels is None and device.type == "cpu" and dtype in CPU_KERNEL_DTYPES:
-        cpu_kernels = load_cpu_kernels(None, dtype)
     with torch.device("meta"):
         model = model_class(spec, attn_backend or get_attention_backend(device, dtype, cpu_kernels))
     _materialize_empty(model, dtype, device)
