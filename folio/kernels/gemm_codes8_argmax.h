@@ -24,35 +24,17 @@ static int codes8_try_scalar(const float *v, float d, int8_t *q) {
     return 1;
 }
 
-/* The same, a vector at a time (as codes4_try). max(f, -128) takes -128 for a NaN f, as the scalar clamp does. */
-#if GEMM_VEC_BITS == 512
+/* The same, a vector at a time (as codes4_try). gv_max takes -128 for a NaN quotient, as the scalar clamp does. */
+#if GEMM_VEC_BITS > 0
 static int codes8_try(const float *v, float d, int8_t *q) {
     if (!(d > 0.0f)) return codes8_try_scalar(v, d, q);
-    const __m512 dv = _mm512_set1_ps(d), lo = _mm512_set1_ps(-128.0f), hi = _mm512_set1_ps(127.0f);
-    __mmask16 bad = 0;
-    for (int h = 0; h < CODES4_GROUP / 16; ++h) {
-        const __m512 x = _mm512_loadu_ps(v + 16 * h);
-        __m512 f = _mm512_roundscale_ps(_mm512_div_ps(x, dv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        f = _mm512_min_ps(_mm512_max_ps(f, lo), hi);
-        bad |= _mm512_cmpneq_epi32_mask(_mm512_castps_si512(_mm512_mul_ps(dv, f)), _mm512_castps_si512(x));
-        _mm_storeu_si128((__m128i *)(q + 16 * h), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(f)));
-    }
-    return bad == 0;
-}
-#elif GEMM_VEC_BITS == 256
-static int codes8_try(const float *v, float d, int8_t *q) {
-    if (!(d > 0.0f)) return codes8_try_scalar(v, d, q);
-    const __m256 dv = _mm256_set1_ps(d), lo = _mm256_set1_ps(-128.0f), hi = _mm256_set1_ps(127.0f);
+    const gv_f32 dv = gv_set1(d), lo = gv_set1(-128.0f), hi = gv_set1(127.0f);
     int bad = 0;
-    for (int h = 0; h < CODES4_GROUP / 8; ++h) {
-        const __m256 x = _mm256_loadu_ps(v + 8 * h);
-        __m256 f = _mm256_round_ps(_mm256_div_ps(x, dv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        f = _mm256_min_ps(_mm256_max_ps(f, lo), hi);
-        const __m256i same = _mm256_cmpeq_epi32(_mm256_castps_si256(_mm256_mul_ps(dv, f)), _mm256_castps_si256(x));
-        bad |= _mm256_movemask_epi8(same) != -1;
-        const __m256i qi = _mm256_cvtps_epi32(f);
-        const __m128i w16 = _mm_packs_epi32(_mm256_castsi256_si128(qi), _mm256_extracti128_si256(qi, 1));
-        _mm_storel_epi64((__m128i *)(q + 8 * h), _mm_packs_epi16(w16, w16));
+    for (int i = 0; i < CODES4_GROUP; i += GV_LANES) {
+        const gv_f32 x = gv_load(v + i);
+        const gv_f32 f = gv_min(gv_max(gv_round(gv_div(x, dv)), lo), hi);
+        bad |= gv_bits_differ(gv_mul(dv, f), x);
+        gv_store_bytes(q + i, f);
     }
     return !bad;
 }

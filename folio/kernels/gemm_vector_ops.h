@@ -41,6 +41,21 @@ typedef __m512i gv_i32;
 #define gv_high16(v) _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int32_t)0xffff0000u)))
 #define gv_store store16
 #define gv_keep_in_register(v) (void)(v)
+/* Element-wise, for the packers' exactness checks and the GGUF dequantizer (not the tiles). */
+#define gv_storeu(p, v) _mm512_storeu_ps(p, v)
+#define gv_add(a, b) _mm512_add_ps(a, b)
+#define gv_sub(a, b) _mm512_sub_ps(a, b)
+#define gv_mul(a, b) _mm512_mul_ps(a, b)
+#define gv_div(a, b) _mm512_div_ps(a, b)
+#define gv_max(a, b) _mm512_max_ps(a, b) /* b where a is NaN */
+#define gv_min(a, b) _mm512_min_ps(a, b)
+#define gv_round(v) _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#define gv_bits_differ(a, b) (_mm512_cmpneq_epi32_mask(_mm512_castps_si512(a), _mm512_castps_si512(b)) != 0)
+#define gv_no_fma(v) __asm__("" : "+v"(v)) /* a product rounded on its own: never fused into the next add */
+/* Integer values in -128..255 of v, stored as GV_LANES bytes (the low byte of each). */
+static inline void gv_store_bytes(void *p, __m512 v) {
+    _mm_storeu_si128((__m128i *)p, _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(v)));
+}
 #elif GEMM_VEC_BITS == 256
 /* 8 float32 rounded to bfloat16 (nearest even, as f32_to_bf16 and torch; NaN stays NaN) */
 static inline __m128i gemm_f32x8_to_bf16(__m256 v) {
@@ -101,4 +116,21 @@ typedef __m256i gv_i32;
 /* Holds a weight vector in a register: else gcc folds its load into each row's FMA (4 loads of it per k instead of
  * one), and the tile ran at 87 GFLOP/s per core against 113-125 for oneDNN's AVX2 kernel (Zen 5, avx2 build). */
 #define gv_keep_in_register(v) __asm__("" : "+x"(v))
+#define gv_storeu(p, v) _mm256_storeu_ps(p, v)
+#define gv_add(a, b) _mm256_add_ps(a, b)
+#define gv_sub(a, b) _mm256_sub_ps(a, b)
+#define gv_mul(a, b) _mm256_mul_ps(a, b)
+#define gv_div(a, b) _mm256_div_ps(a, b)
+#define gv_max(a, b) _mm256_max_ps(a, b) /* b where a is NaN */
+#define gv_min(a, b) _mm256_min_ps(a, b)
+#define gv_round(v) _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#define gv_bits_differ(a, b) \
+    (_mm256_movemask_epi8(_mm256_cmpeq_epi32(_mm256_castps_si256(a), _mm256_castps_si256(b))) != -1)
+#define gv_no_fma(v) __asm__("" : "+x"(v))
+/* Integer values in -128..127 of v, stored as GV_LANES bytes (signed saturation: 0..15 codes fit too). */
+static inline void gv_store_bytes(void *p, __m256 v) {
+    const __m256i q = _mm256_cvtps_epi32(v);
+    const __m128i w16 = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+    _mm_storel_epi64((__m128i *)p, _mm_packs_epi16(w16, w16));
+}
 #endif

@@ -33,23 +33,14 @@ static inline float dequant_f16_to_f32(const uint8_t *p) { /* exact, on every ti
 static void dequant_q4_1_block(const uint8_t *block, float *out) {
     const float d = dequant_f16_to_f32(block), m = dequant_f16_to_f32(block + 2);
     const uint8_t *qs = block + 4;
-#if defined(__AVX512F__)
-    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qs));
-    const __m512 dv = _mm512_set1_ps(d), mv = _mm512_set1_ps(m);
-    __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(15))), dv);
-    __m512 hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)), dv);
-    __asm__("" : "+v"(lo), "+v"(hi)); /* two roundings: no fused multiply-add */
-    _mm512_storeu_ps(out, _mm512_add_ps(lo, mv));
-    _mm512_storeu_ps(out + 16, _mm512_add_ps(hi, mv));
-#elif defined(__AVX2__)
-    const __m256 dv = _mm256_set1_ps(d), mv = _mm256_set1_ps(m);
-    for (int h = 0; h < 2; ++h) {
-        const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + 8 * h)));
-        __m256 lo = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(bytes, _mm256_set1_epi32(15))), dv);
-        __m256 hi = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4)), dv);
-        __asm__("" : "+x"(lo), "+x"(hi)); /* two roundings: no fused multiply-add */
-        _mm256_storeu_ps(out + 8 * h, _mm256_add_ps(lo, mv));
-        _mm256_storeu_ps(out + 16 + 8 * h, _mm256_add_ps(hi, mv));
+#if GEMM_VEC_BITS > 0 /* codes4_widen_block's widening (gemm_codes4.h), from the block's 16 bytes */
+    const gv_f32 dv = gv_set1(d), mv = gv_set1(m);
+    for (int j = 0; j < DEQUANT_BLOCK / 2 / GV_LANES; ++j) {
+        const gv_i32 bytes = CODES4_BYTES(qs, j);
+        gv_f32 lo = CODES4_MUL(CODES4_LOW(bytes), dv), hi = CODES4_MUL(CODES4_HIGH(bytes), dv);
+        CODES4_SEPARATE(lo, hi); /* two roundings: no fused multiply-add */
+        gv_storeu(out + GV_LANES * j, CODES4_ADD(lo, mv));
+        gv_storeu(out + DEQUANT_BLOCK / 2 + GV_LANES * j, CODES4_ADD(hi, mv));
     }
 #else
     for (int j = 0; j < DEQUANT_BLOCK / 2; ++j) {
