@@ -29,7 +29,8 @@ def build(dtype: str, changes: dict[str, Any]) -> LLM:
     changes = dict(changes)
     fused_argmax = changes.pop("fused_argmax", True)
     kv_prefetch_bytes = changes.pop("kv_prefetch_bytes", None)
-    llm = LLM(dtype=dtype, enable_prefix_caching=False, kv_cache_memory_bytes=2 << 30, **changes)
+    base = {"dtype": dtype, "enable_prefix_caching": False, "kv_cache_memory_bytes": 2 << 30}
+    llm = LLM(**{**base, **changes})  # a config may change the base's keywords too (e.g. the KV size)
     model = llm.llm_engine.executor.worker.model
     if not fused_argmax:
         model.compute_greedy_token_ids = lambda hidden: None
