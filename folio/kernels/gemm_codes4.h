@@ -179,16 +179,10 @@ static void codes4_widen_block(const uint8_t *src, int64_t k, float *dst) {
 #define CODES4_BYTES(p, j) _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)((p) + 16 * (j))))
 #define CODES4_LOW(v) _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15)))
 #define CODES4_HIGH(v) _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4))
-#define CODES4_MUL _mm512_mul_ps
-#define CODES4_ADD _mm512_add_ps
-#define CODES4_SEPARATE(a, b) __asm__("" : "+v"(a), "+v"(b))
 #else
 #define CODES4_BYTES(p, j) _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)((p) + 8 * (j))))
 #define CODES4_LOW(v) _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15)))
 #define CODES4_HIGH(v) _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4))
-#define CODES4_MUL _mm256_mul_ps
-#define CODES4_ADD _mm256_add_ps
-#define CODES4_SEPARATE(a, b) __asm__("" : "+x"(a), "+x"(b))
 #endif
 
 /* A tile of MR rows straight from the codes, the weights widened in registers (for a chunk of one tile, where a
@@ -210,12 +204,13 @@ static void codes4_widen_block(const uint8_t *src, int64_t k, float *dst) {
                 _Pragma("GCC unroll 3") for (int j = 0; j < 3; ++j) {                                             \
                     const gv_i32 bytes = CODES4_BYTES(pair, j);                                                  \
                     const gv_f32 dv = gv_load(d + GV_LANES * j);                                                 \
-                    lo[j] = CODES4_MUL(CODES4_LOW(bytes), dv);                                                    \
-                    hi[j] = CODES4_MUL(CODES4_HIGH(bytes), dv);                                                   \
-                    CODES4_SEPARATE(lo[j], hi[j]);                                                                \
+                    lo[j] = gv_mul(CODES4_LOW(bytes), dv);                                                        \
+                    hi[j] = gv_mul(CODES4_HIGH(bytes), dv);                                                       \
+                    gv_no_fma(lo[j]);                                                                             \
+                    gv_no_fma(hi[j]);                                                                             \
                     const gv_f32 mv = gv_load(m + GV_LANES * j);                                                 \
-                    lo[j] = CODES4_ADD(lo[j], mv);                                                                \
-                    hi[j] = CODES4_ADD(hi[j], mv);                                                                \
+                    lo[j] = gv_add(lo[j], mv);                                                                    \
+                    hi[j] = gv_add(hi[j], mv);                                                                    \
                 }                                                                                                 \
                 const int64_t kk = g * CODES4_GROUP + 2 * p;                                                      \
                 _Pragma("GCC unroll 8") for (int i = 0; i < MR; ++i) {                                           \

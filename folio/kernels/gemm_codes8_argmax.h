@@ -88,9 +88,9 @@ int folio_gemm_pack_codes8(const float *w, int64_t ldw, int64_t n, int64_t k, ui
                 const uint8_t *row_codes = codes + kk * BLOCK_N;                                                  \
                 _mm_prefetch((const char *)row_codes + 8 * 64, _MM_HINT_T0);                                      \
                 TILE_OTHER_PREFETCH(s)                                                                            \
-                const gv_f32 w0 = CODES4_MUL(CODES8_WIDEN(row_codes, 0), d0);                                     \
-                const gv_f32 w1 = CODES4_MUL(CODES8_WIDEN(row_codes, 1), d1);                                     \
-                const gv_f32 w2 = CODES4_MUL(CODES8_WIDEN(row_codes, 2), d2);                                     \
+                const gv_f32 w0 = gv_mul(CODES8_WIDEN(row_codes, 0), d0);                                         \
+                const gv_f32 w1 = gv_mul(CODES8_WIDEN(row_codes, 1), d1);                                         \
+                const gv_f32 w2 = gv_mul(CODES8_WIDEN(row_codes, 2), d2);                                         \
                 _Pragma("GCC unroll 8") for (int i = 0; i < MR; ++i) {                                           \
                     const gv_f32 a = gv_set1(x[i * lda + s]);                                                   \
                     acc[i][0] = gv_fma(a, w0, acc[i][0]);                                                        \

@@ -52,7 +52,7 @@ typedef __m512i gv_i32;
 #define gv_round(v) _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
 #define gv_bits_differ(a, b) (_mm512_cmpneq_epi32_mask(_mm512_castps_si512(a), _mm512_castps_si512(b)) != 0)
 #define gv_no_fma(v) __asm__("" : "+v"(v)) /* a product rounded on its own: never fused into the next add */
-/* Integer values in -128..255 of v, stored as GV_LANES bytes (the low byte of each). */
+/* Integer values in -128..127 of v (4-bit codes, int8), stored as GV_LANES bytes, as both widths store them. */
 static inline void gv_store_bytes(void *p, __m512 v) {
     _mm_storeu_si128((__m128i *)p, _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(v)));
 }
@@ -127,7 +127,7 @@ typedef __m256i gv_i32;
 #define gv_bits_differ(a, b) \
     (_mm256_movemask_epi8(_mm256_cmpeq_epi32(_mm256_castps_si256(a), _mm256_castps_si256(b))) != -1)
 #define gv_no_fma(v) __asm__("" : "+x"(v))
-/* Integer values in -128..127 of v, stored as GV_LANES bytes (signed saturation: 0..15 codes fit too). */
+/* Integer values in -128..127 of v, stored as GV_LANES bytes (as the AVX-512 body; here by signed saturation). */
 static inline void gv_store_bytes(void *p, __m256 v) {
     const __m256i q = _mm256_cvtps_epi32(v);
     const __m128i w16 = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));

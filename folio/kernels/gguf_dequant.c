@@ -37,10 +37,11 @@ static void dequant_q4_1_block(const uint8_t *block, float *out) {
     const gv_f32 dv = gv_set1(d), mv = gv_set1(m);
     for (int j = 0; j < DEQUANT_BLOCK / 2 / GV_LANES; ++j) {
         const gv_i32 bytes = CODES4_BYTES(qs, j);
-        gv_f32 lo = CODES4_MUL(CODES4_LOW(bytes), dv), hi = CODES4_MUL(CODES4_HIGH(bytes), dv);
-        CODES4_SEPARATE(lo, hi); /* two roundings: no fused multiply-add */
-        gv_storeu(out + GV_LANES * j, CODES4_ADD(lo, mv));
-        gv_storeu(out + DEQUANT_BLOCK / 2 + GV_LANES * j, CODES4_ADD(hi, mv));
+        gv_f32 lo = gv_mul(CODES4_LOW(bytes), dv), hi = gv_mul(CODES4_HIGH(bytes), dv);
+        gv_no_fma(lo); /* two roundings: no fused multiply-add */
+        gv_no_fma(hi);
+        gv_storeu(out + GV_LANES * j, gv_add(lo, mv));
+        gv_storeu(out + DEQUANT_BLOCK / 2 + GV_LANES * j, gv_add(hi, mv));
     }
 #else
     for (int j = 0; j < DEQUANT_BLOCK / 2; ++j) {
