@@ -19,7 +19,7 @@ copies of each weight are cycled through, as a decode step walks 30 layers, so t
 they do in the engine; larger M is compute-bound and cycles through two. Each tier's library is Folio's GEMM
 body for that tier (tested on every tier, whether or not the engine's plan chooses it there); oneDNN is measured
 in the same run, with whatever ISA it picks (``--onednn-max-isa`` caps it through ONEDNN_MAX_CPU_ISA, which
-oneDNN reads on its first use). Prints GFLOP/s of the fastest call; nothing is asserted.
+oneDNN reads on its first use). Prints GFLOP/s of the fastest call (`--median`: the median one); nothing is asserted.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import statistics
 import time
 from collections.abc import Callable
 
@@ -42,22 +43,26 @@ from folio.model.gguf_dequant import dequantize_to_float32
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
 
 
-def best_call_seconds(
-    runners: list[list[Callable[[], None]]], rounds: int, clock: Callable[[], float] = time.perf_counter
+def call_seconds(
+    runners: list[list[Callable[[], None]]],
+    rounds: int,
+    clock: Callable[[], float] = time.perf_counter,
+    statistic: Callable[[list[float]], float] = min,
 ) -> list[float]:
-    """Each implementation's fastest single call: ``rounds`` rounds, each calling every implementation on every
-    weight copy in turn (after one warm-up round). Calls are timed one by one and the fastest kept, so that on a
-    shared machine a call interrupted by another process does not count and every implementation gets the same
-    chances at a quiet moment; the weights still cycle through all copies, so they come from memory."""
-    best = [float("inf")] * len(runners)
+    """Each implementation's single call by ``statistic`` of its timed calls (default: the fastest): ``rounds``
+    rounds, each calling every implementation on every weight copy in turn (after one warm-up round). Calls are
+    timed one by one, so that on a shared machine a call interrupted by another process does not count and every
+    implementation gets the same chances at a quiet moment; the weights still cycle through all copies, so they
+    come from memory."""
+    times: list[list[float]] = [[] for _ in runners]
     for r in range(rounds + 1):
         for i, calls in enumerate(runners):
             for call in calls:
                 start = clock()
                 call()
                 if r > 0:
-                    best[i] = min(best[i], clock() - start)
-    return best
+                    times[i].append(clock() - start)
+    return [statistic(t) for t in times]
 
 
 def folio_calls(
@@ -99,6 +104,12 @@ def main() -> None:
         "--cpu-time", action="store_true", help="with --threads 1: time calls by the thread's CPU time, not the wall"
     )
     parser.add_argument("--rounds", type=int, default=7, help="timed calls of each implementation, best kept")
+    parser.add_argument(
+        "--median",
+        action="store_true",
+        help="the median call instead of the fastest: where the machine's speed swings from call to call, the "
+        "fastest hides how often an implementation runs slow (a Zen 3 VM, docs/performance.md session 40)",
+    )
     ns = parser.parse_args()
     if ns.onednn_max_isa:
         os.environ["ONEDNN_MAX_CPU_ISA"] = ns.onednn_max_isa  # before oneDNN's first primitive reads it
@@ -139,7 +150,8 @@ def main() -> None:
                 flops = 2 * m * n * k  # one call
                 runners = [folio_calls(gemm, weights, x, codes, dtype_name == "codes4_amx") for gemm in gemms.values()]
                 onednn = None if ns.no_onednn else onednn_calls(weights, x)
-                seconds = best_call_seconds([*runners, *([onednn] if onednn is not None else [])], ns.rounds, clock)
+                implementations = [*runners, *([onednn] if onednn is not None else [])]
+                seconds = call_seconds(implementations, ns.rounds, clock, statistics.median if ns.median else min)
                 figures = [f"{flops / t / 1e9:4.0f}" for t in seconds] + (["   -"] if onednn is None else [])
                 text = " / ".join(figures)
                 cells.append(f"{shape} {text}")
