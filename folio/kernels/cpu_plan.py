@@ -16,7 +16,9 @@ FOLIO_MIN_TIER: dict[str, IsaTier] = {
     # GEMM: at the engine's shapes the AVX2 tiles beat oneDNN limited to AVX2 in float32 up to M = 64 (1.1-1.7x;
     # M = 64: 123-127 GFLOP/s per core against 109-115) and matched it at 256 and 2048; oneDNN refuses bfloat16
     # below AVX-512, and on AVX-512 without BF16 the widening bfloat16 tiles ran at 1.4-4x oneDNN's (AVX512_CORE).
-    # benchmarks/cpu_gemm.py --threads 1 --cpu-time, AMD EPYC Zen 5.
+    # benchmarks/cpu_gemm.py --threads 1 --cpu-time, AMD EPYC Zen 5. On an AVX2-only Zen 3 (2 threads, per-call
+    # medians, benchmarks/cpu_gemm.py --median) 0.80-1.38x oneDNN's at M = 64-2048 (0.65-0.96x before the tiles
+    # stopped testing for side prefetches in every step; docs/performance.md, session 40).
     # On the amx tier the bfloat16 GEMM runs on AMX tiles: 550-1230 GFLOP/s from M = 64 on 2 cores of a Sapphire
     # Rapids class Xeon, oneDNN's (AMX too) 440-890, the avx512_bf16 build's vdpbf16ps tiles 110-120.
     "gemm_f32": IsaTier.AVX2,
