@@ -103,7 +103,7 @@ def main() -> None:
     parser.add_argument(
         "--cpu-time", action="store_true", help="with --threads 1: time calls by the thread's CPU time, not the wall"
     )
-    parser.add_argument("--rounds", type=int, default=7, help="timed calls of each implementation, best kept")
+    parser.add_argument("--rounds", type=int, default=7, help="timed calls of each implementation (rounds)")
     parser.add_argument(
         "--median",
         action="store_true",
