@@ -21,9 +21,11 @@
  * k's; the same for a broadcast pair of x. Two float32 FMAs then do what one vdpbf16ps does: exact products,
  * float32 sums (in another order). The weights stay bfloat16 in memory, half the bytes of float32.
  *
- * Work split: items (chunk of up to 256 rows, block), chunk-major, spread statically over the threads: at a
- * decode step's M (one chunk) each thread streams its own share of the weights once; in a prefill each thread
- * keeps its chunks of x in L2 while the layer's weights stream past. Threads are OpenMP's, in torch's runtime.
+ * Work split: items (chunk of up to 256 rows, block), chunk-major, handed out in guided chunks (GEMM_ITEMS): each
+ * thread first takes a long run of consecutive items, as a static split would, and the rest go to whichever thread
+ * is free, so a core slowed by its neighbours (a VM's shared L3 and clock) no longer holds the other at the barrier.
+ * At a decode step's M (one chunk) each thread streams its own run of the weights; in a prefill each thread keeps
+ * its chunks of x in L2 while the layer's weights stream past. Threads are OpenMP's, in torch's runtime.
  */
 #include "cpu_common.h"
 
@@ -55,6 +57,11 @@
 #define GEMM_AMX 0
 #endif
 #define CHUNK_M 256 /* rows per work item: a block's weights are re-read once per chunk */
+/* The GEMM item loops' schedule. Guided rather than static: on a 2-core Zen 3 VM (avx2) whose cores' speed swung
+ * 15-20% from minute to minute, W1 float32 ran 2-6% faster (farm-bench, 9 pairs) and the decode-shape GEMM
+ * alone 8-10% (docs/performance.md, session 41); the outputs are the same bits (an item's tile does not depend on
+ * which thread runs it). The AVX-512-only loops (bfloat16 screen, 8-bit codes, AMX) stay static until measured. */
+#define GEMM_ITEMS _Pragma("omp for schedule(guided)")
 #define STEP_BYTES (BLOCK_N * 4) /* packed bytes per k (float32) or k pair (bfloat16) */
 #define PREFETCH_BYTES (16 * STEP_BYTES)
 

@@ -55,7 +55,7 @@ static void CAT(gemm_body_, SUFFIX)(const ELEM_T *x, int64_t lda, const ELEM_T *
      * the blocks' weights stream past (from L3 for a prefill chunk's layer, which fits it). Block-major order
      * kept a block's weights instead and re-read all of x per block: at M = 2048 gate|up ran at 937 GFLOP/s
      * against 1042 now (benchmarks/cpu_gemm.py). With M <= 256 (one chunk: decodes) both orders are the same. */
-#pragma omp for schedule(static)
+    GEMM_ITEMS
     for (int64_t item = 0; item < blocks * chunks; ++item) {
         const int64_t b = item % blocks, chunk = item / blocks;
         const ELEM_T *wb = packed + b * block_elems;
@@ -93,7 +93,7 @@ int CAT(folio_gemm_argmax_, SUFFIX)(const ELEM_T *x, int64_t lda, const ELEM_T *
         const int64_t block_elems = PACKED_K(k) * BLOCK_N;
         const int64_t ntiles = (m + TILE_ROWS - 1) / TILE_ROWS;
         AMX_FORGET();
-#pragma omp for schedule(static)
+        GEMM_ITEMS
         for (int64_t b = 0; b < num_blocks(n); ++b) {
             const ELEM_T *next = b + 1 < num_blocks(n) ? packed + (b + 1) * block_elems : NULL;
             for (int64_t t = 0; t < ntiles; ++t) {

@@ -284,7 +284,7 @@ static void gemm_body_codes4(const float *x, int64_t lda, const uint8_t *packed,
     const int64_t block_bytes = codes4_block_bytes(k);
     float *wide = thread_scratch(&codes4_scratch, k * BLOCK_N * (int64_t)sizeof(float));
     if (wide == NULL) abort(); /* a few hundred KB per thread, once */
-#pragma omp for schedule(static)
+    GEMM_ITEMS
     for (int64_t item = 0; item < blocks * chunks; ++item) {
         const int64_t b = item % blocks, chunk = item / blocks;
         const uint8_t *next = item + 1 < blocks * chunks ? packed + ((item + 1) % blocks) * block_bytes : NULL;
