@@ -130,7 +130,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=d.cpu_kv_prefetch_bytes,
         help="CPU fused decoder: bytes of the next layer's decode K/V that a layer's GEMMs prefetch "
-        "(default: half the L3 cache; 0: off)",
+        "(default: the CPU plan's, half the L3 cache from the avx512 tier on, none below; 0: off)",
     )
     g.add_argument(
         "--cpu-adaptive-threads",

@@ -14,7 +14,8 @@ class CpuConfig:
 
     # the ISA tier the kernels are built for: "auto" (this CPU's best) or a lower one (folio/kernels/isa.py)
     isa: str = "auto"
-    # bytes of the next layer's decode K/V that a layer's GEMMs prefetch in the fused decoder; None: half the L3
+    # bytes of the next layer's decode K/V that a layer's GEMMs prefetch in the fused decoder; None: the CPU plan's
+    # choice (kv_side_prefetch: half the L3, or none)
     kv_prefetch_bytes: int | None = None
     # fewer kernel threads while other processes take cores (folio/worker/cpu_threads.py)
     adaptive_threads: bool = True

@@ -37,6 +37,14 @@ FOLIO_MIN_TIER: dict[str, IsaTier] = {
 }
 
 
+# The fused decoder's GEMMs prefetch the next layer's decode K/V (SidePrefetch in cpu_gemm.c, up to half the L3)
+# from AVX-512 on. A side line every other k step is a larger share of an AVX2 tile's step (12 FMAs on ymm, against
+# 24 on zmm), and on an AVX2-only Zen 3 it never paid: W1 float32 without it even to 4% faster over 15 rounds in
+# which each setting ran at several places in the round order (benchmarks/ab_offline.py; docs/performance.md,
+# session 41). With it: bfloat16 on Zen 5 +2.7%, float32 on Zen 5 and the Xeons about even.
+# cpu_kv_prefetch_bytes overrides the plan either way.
+KV_SIDE_PREFETCH_MIN_TIER = IsaTier.AVX512
+
 # bfloat16 needs AVX-512: below it the widening bfloat16 GEMM ran slower than float32 from M = 16 up (about 89
 # against 120 GFLOP/s per core, AVX2 build on Zen 5: the shifts share the FMA pipes) and oneDNN refuses bfloat16,
 # so a bfloat16 engine there would be slower than the float32 default. Refused with a message instead.
@@ -67,6 +75,7 @@ class CpuPlan:
     prefill_attention: str
     elementwise: str  # RMSNorm + residual, rotary, SiLU-and-mul, the K/V write
     fused_decoder: str  # every layer in one C call: needs Folio's kernel for every operation above
+    kv_side_prefetch: str  # the fused decoder's GEMMs prefetch the next layer's decode K/V: "folio" or "off"
     kv_block_copy: str  # whole KV blocks (host tier stores and loads, copy-on-write): "folio" or "torch"
 
     def describe(self) -> str:
@@ -99,6 +108,7 @@ def choose_cpu_plan(tier: IsaTier, dtype_name: str, have_compiler: bool = True, 
         prefill_attention=prefill,
         elementwise=elementwise,
         fused_decoder="folio" if all_folio else "off",
+        kv_side_prefetch="folio" if all_folio and tier >= KV_SIDE_PREFETCH_MIN_TIER else "off",
         kv_block_copy=folio_or("kv_block_copy", "torch"),
     )
 

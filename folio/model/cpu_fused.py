@@ -213,6 +213,11 @@ class FusedCpuDecoder:
             return 1
         return 0
 
+    @property
+    def kv_prefetch_bytes(self) -> int:
+        """The next layer's decode K/V the GEMMs prefetch: bytes, 0 for none, negative for half the L3 cache."""
+        return int(self._params.kv_prefetch_bytes)
+
     def set_kv_prefetch_bytes(self, budget: int) -> None:
         """How much of the next layer's decode K/V the GEMMs of a layer prefetch (llama_cpu.c, SidePrefetch): a
         negative budget is half the L3 cache (the default; the engine argument cpu_kv_prefetch_bytes sets it at
@@ -231,7 +236,8 @@ class FusedCpuDecoder:
     ) -> FusedCpuDecoder | None:
         """The fused decoder for ``model``, or None where it does not apply (the plan did not choose it, not the
         CPU paged backend, weights not packed by Folio's GEMM, another dtype): the model then runs layer by
-        layer. ``kv_prefetch_bytes``: see set_kv_prefetch_bytes (None: half the L3 cache)."""
+        layer. ``kv_prefetch_bytes``: see set_kv_prefetch_bytes (None: the plan's choice, half the L3 cache or
+        none)."""
         backend = model.layers[0].self_attn.attn_backend
         dtype = model.norm.weight.dtype
         if kernels.plan.fused_decoder != "folio" or kernels.lib is None or dtype != kernels.dtype:
@@ -246,6 +252,8 @@ class FusedCpuDecoder:
         linears += [m for layer in model.layers for m in (layer.mlp.gate_up_proj, layer.mlp.down_proj)]
         if not all(isinstance(m.packed_weight, PackedWeight) for m in linears):
             return None
+        if kv_prefetch_bytes is None and kernels.plan.kv_side_prefetch == "off":
+            kv_prefetch_bytes = 0
         return cls(model, backend, kernels.lib, kv_prefetch_bytes)
 
     def _bind_caches(self, kv_caches: list[torch.Tensor]) -> None:

@@ -6,7 +6,7 @@ import pytest
 
 from folio.kernels.cpu_build import build_every_tier, load_kernel_library, native_tier
 from folio.kernels.cpu_kernels import library_tier
-from folio.kernels.cpu_plan import FOLIO_MIN_TIER, check_cpu_dtype, choose_cpu_plan
+from folio.kernels.cpu_plan import FOLIO_MIN_TIER, KV_SIDE_PREFETCH_MIN_TIER, check_cpu_dtype, choose_cpu_plan
 from folio.kernels.isa import IsaTier, compile_flags, detect_tier, resolve_cpu_isa
 
 ZEN3_FLAGS = frozenset(["sse4_2", "avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm"])
@@ -78,6 +78,10 @@ def test_folio_kernel_exactly_where_it_has_a_vectorised_body(tier: IsaTier, dtyp
     assert plan.lm_head_argmax == ("off" if plan.gemm != "folio" else "folio_bf16_screen" if screened else "folio")
     every_op_folio = {plan.gemm, plan.decode_attention, plan.prefill_attention, plan.elementwise} == {"folio"}
     assert (plan.fused_decoder == "folio") == every_op_folio
+    # the fused decoder's K/V side prefetch: from AVX-512 on (it never paid on an AVX2-only Zen 3)
+    side_prefetch = every_op_folio and tier >= KV_SIDE_PREFETCH_MIN_TIER
+    assert plan.kv_side_prefetch == ("folio" if side_prefetch else "off")
+    assert f"kv_side_prefetch={plan.kv_side_prefetch}" in plan.describe()
 
 
 def test_bfloat16_is_refused_below_avx512_with_the_way_out() -> None:
@@ -99,6 +103,8 @@ def test_fallbacks() -> None:
     assert {no_cc.gemm, no_cc.decode_attention, no_cc.elementwise} == {"onednn", "torch"}
     assert no_cc.kv_block_copy == "torch"
     assert choose_cpu_plan(IsaTier.GENERIC, "float32", have_onednn=False).gemm == "torch"
+    assert choose_cpu_plan(IsaTier.AVX2, "float32").kv_side_prefetch == "off"
+    assert choose_cpu_plan(IsaTier.AVX512, "float32").kv_side_prefetch == "folio"
     best = choose_cpu_plan(IsaTier.AVX512_BF16, "bfloat16")
     assert best.fused_decoder == "folio" and "gemm=folio" in best.describe() and "tier" not in best.describe()
     with pytest.raises(ValueError, match="float32 or bfloat16"):

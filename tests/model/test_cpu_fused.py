@@ -78,6 +78,23 @@ def test_fused_decoder_equals_layer_by_layer(
     assert all(cache.any() for cache in caches["fused"])  # every layer wrote its K/V
 
 
+def test_the_kv_side_prefetch_budget_is_the_plans_unless_set(model_path: str, cpu_tier: IsaTier) -> None:
+    """Unset (None), the fused decoder's GEMMs prefetch the next layer's K/V as the plan says: half the L3 (a
+    negative budget) from AVX-512 on, none (0) at avx2; cpu_kv_prefetch_bytes, where set, wins on every tier."""
+    dtype, cpu = torch.float32, torch.device("cpu")
+    kernels = load_cpu_kernels(cpu_tier, dtype)
+    for asked in (None, 0, 1 << 20):
+        model, _ = load_model(
+            model_path, dtype, cpu, show_progress=False, cpu_kernels=kernels, cpu_kv_prefetch_bytes=asked
+        )
+        fused = model.model.fused_cpu
+        if fused is None:
+            assert kernels.plan.kv_side_prefetch == "off"
+            pytest.skip(f"{cpu_tier.flag_name}: the plan runs {kernels.plan.describe()}")
+        plans = -1 if kernels.plan.kv_side_prefetch == "folio" else 0
+        assert fused.kv_prefetch_bytes == (plans if asked is None else asked), asked
+
+
 class _CountingGroup:
     """A rank group of one: its all-reduce leaves the sum (this rank's proj) as it is and counts the calls; the
     call numbered ``fail_at`` raises, as the shared-memory all-reduce does when a peer has died."""
