@@ -91,8 +91,8 @@ def test_the_kv_side_prefetch_budget_is_the_plans_unless_set(model_path: str, cp
         if fused is None:
             assert kernels.plan.kv_side_prefetch == "off"
             pytest.skip(f"{cpu_tier.flag_name}: the plan runs {kernels.plan.describe()}")
-        plans = -1 if kernels.plan.kv_side_prefetch == "folio" else 0
-        assert fused.kv_prefetch_bytes == (plans if asked is None else asked), asked
+        plans_budget = -1 if kernels.plan.kv_side_prefetch == "folio" else 0
+        assert fused.kv_prefetch_bytes == (plans_budget if asked is None else asked), asked
 
 
 class _CountingGroup:
