@@ -114,7 +114,10 @@ class CpuGemm:
         self.codes4_has_amx = bool(_bind(lib, "folio_gemm_codes4_has_amx", [], _int)())
         self._codes8_bytes = _bind(lib, "folio_gemm_packed_bytes_codes8", [_i64, _i64], _i64)
         self._pack_codes8 = _bind(lib, "folio_gemm_pack_codes8", [_ptr, _i64, _i64, _i64, _ptr], _int)
-        self._argmax_codes8 = _bind(lib, "folio_gemm_argmax_codes8", self._argmax[torch.float32].argtypes, _int)
+        # x, lda, packed, m, n, k, widened, out_ids, num_threads
+        self._argmax_codes8 = _bind(
+            lib, "folio_gemm_argmax_codes8", [_ptr, _i64, _ptr, _i64, _i64, _i64, _int, _ptr, _int], _int
+        )
 
     @staticmethod
     def supports(weight: torch.Tensor) -> bool:
@@ -236,17 +239,18 @@ class CpuGemm:
         data = _try_codes(weight, self._codes8_bytes, self._pack_codes8)
         return None if data is None else Codes8Head(data, weight.shape[0], weight.shape[1])
 
-    def argmax_codes8(self, x: torch.Tensor, head: Codes8Head) -> torch.Tensor | None:
+    def argmax_codes8(self, x: torch.Tensor, head: Codes8Head, widened: bool = True) -> torch.Tensor | None:
         """``argmax`` of float32 x [T, k] over the head's codes (the float32 logits' token, the first of equals);
-        None where the kernel does not run (more rows than one tile, the generic tier)."""
+        None where the kernel does not run (the generic tier; more than 256 rows, or with ``widened`` False more
+        than one row tile: blocks widened once for several tiles are then left to a faster path)."""
         if x.dtype != torch.float32:
             return None
         if x.stride(-1) != 1 or x.dim() != 2:
             x = x.reshape(-1, x.shape[-1]).contiguous()
         out = torch.empty(x.shape[0], dtype=torch.int64)
         status = self._argmax_codes8(
-            x.data_ptr(), x.stride(0), head.data.data_ptr(), x.shape[0], head.n, head.k, out.data_ptr(),
-            torch.get_num_threads(),
+            x.data_ptr(), x.stride(0), head.data.data_ptr(), x.shape[0], head.n, head.k, int(widened),
+            out.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
         return out if status == 0 else None
 

@@ -3,8 +3,11 @@
 /* The greedy LM head over 8-bit codes: a GGUF's Q8_0 weight (fl(d q), q an int8, d a float16 step per 32 k)
  * dequantizes to float32 values that are exact products, kept here as the codes and a float32 step per group (9
  * bits a weight instead of the bfloat16 screen's 16 and float32's 32). The tile widens them in registers and runs
- * the float32 tile's FMAs in the same k order: the same logits, so the same arg-max as folio_gemm_argmax_f32, for
- * a chunk of one row tile (a decode step of a few requests); more rows take the float32 paths.
+ * the float32 tile's FMAs in the same k order: the same logits, so the same arg-max as folio_gemm_argmax_f32. A
+ * chunk of one row tile (a decode step of a few requests) widens in registers; more rows, up to CHUNK_M, widen each
+ * block once into the thread's float32 block in L2 for all their row tiles, as gemm_body_codes4 does: a quarter of
+ * float32's bytes from memory, and the same float32 tiles (M = 64 rows of SmolLM2's head: 10% faster than the
+ * float32 layout on an AVX2-only Zen 3, docs/performance.md, session 42).
  * Layout: block b of BLOCK_N columns, group g of 32 k: float32 d[BLOCK_N], then 32 rows (k) of BLOCK_N int8 codes. */
 #define CODES8_GROUP_BYTES (BLOCK_N * ((int64_t)sizeof(float) + CODES4_GROUP))
 
@@ -102,16 +105,65 @@ int folio_gemm_pack_codes8(const float *w, int64_t ldw, int64_t n, int64_t k, ui
         TILE_FINISH(MR)                                                                                           \
     }
 FOR_EACH_TILE_ROWS(DEFINE_TILE_CODES8)
+
+/* Block `src` (8-bit codes) -> its float32 layout in `dst` ([k][BLOCK_N], as folio_gemm_pack_f32 lays it out): each
+ * value fl(d q), one exact product. */
+static void codes8_widen_block(const uint8_t *src, int64_t k, float *dst) {
+    for (int64_t g = 0; g < k / CODES4_GROUP; ++g, src += CODES8_GROUP_BYTES, dst += CODES4_GROUP * BLOCK_N) {
+        const float *d = (const float *)src;
+        const uint8_t *codes = (const uint8_t *)(d + BLOCK_N);
+        const gv_f32 d0 = gv_load(d), d1 = gv_load(d + GV_LANES), d2 = gv_load(d + 2 * GV_LANES);
+        for (int64_t kk = 0; kk < CODES4_GROUP; ++kk) {
+            const uint8_t *row_codes = codes + kk * BLOCK_N;
+            gv_storeu(dst + kk * BLOCK_N, gv_mul(CODES8_WIDEN(row_codes, 0), d0));
+            gv_storeu(dst + kk * BLOCK_N + GV_LANES, gv_mul(CODES8_WIDEN(row_codes, 1), d1));
+            gv_storeu(dst + kk * BLOCK_N + 2 * GV_LANES, gv_mul(CODES8_WIDEN(row_codes, 2), d2));
+        }
+    }
+}
+
+/* The arg-max of m rows (TILE_M < m <= CHUNK_M) over widened blocks: folio_gemm_argmax_f32's loop, each block
+ * widened once per thread first (into the codes4 bodies' per-thread block). best_val / best_col as argmax_start. */
+static void codes8_argmax_widened(const float *x, int64_t lda, const uint8_t *packed, int64_t m, int64_t n, int64_t k,
+                                  float *best_val, int32_t *best_col, int num_threads) {
+    const int64_t block_bytes = (k / CODES4_GROUP) * CODES8_GROUP_BYTES, ntiles = (m + TILE_M - 1) / TILE_M;
+#pragma omp parallel num_threads(num_threads)
+    {
+        const int64_t tid = omp_get_thread_num();
+        const Epilogue e = {NULL, 0, 0, NULL, n, best_val + tid * m * 16, best_col + tid * m * 16, NULL};
+        float *wide = thread_scratch(&codes4_scratch, k * BLOCK_N * (int64_t)sizeof(float));
+        if (wide == NULL) abort(); /* a few hundred KB per thread, once */
+        GEMM_ITEMS
+        for (int64_t b = 0; b < num_blocks(n); ++b) {
+            const uint8_t *next = b + 1 < num_blocks(n) ? packed + (b + 1) * block_bytes : NULL;
+            codes8_widen_block(packed + b * block_bytes, k, wide);
+            for (int64_t t = 0; t < ntiles; ++t) {
+                const int64_t row = t * TILE_M, rows = m - row < TILE_M ? m - row : TILE_M;
+                const NextBlock nb = next_block_share(next, block_bytes, t, ntiles);
+                tile_f32(x + row * lda, lda, wide, k, rows, &e, row, b * BLOCK_N, nb, NULL);
+            }
+        }
+    }
+}
 #endif
 
-/* out_ids as folio_gemm_argmax_f32 over the same weight packed as 8-bit codes, for m <= TILE_M rows; returns 0, or
- * -1 where it does not run (more rows, the generic tier, no memory): the caller takes the float32 paths. */
+/* out_ids as folio_gemm_argmax_f32 over the same weight packed as 8-bit codes, for m <= TILE_M rows, or with
+ * `widened` for m <= CHUNK_M (the caller passes 0 where a faster path takes more rows: the bfloat16 screen);
+ * returns 0, or -1 where it does not run (more rows, the generic tier, no memory): the caller takes the float32
+ * paths. */
 int folio_gemm_argmax_codes8(const float *x, int64_t lda, const uint8_t *packed, int64_t m, int64_t n, int64_t k,
-                             int64_t *out_ids, int num_threads) {
+                             int widened, int64_t *out_ids, int num_threads) {
 #if GEMM_VEC_BITS > 0
     float *best_val;
     int32_t *best_col;
-    if (m < 1 || m > TILE_M || k % CODES4_GROUP || argmax_start(num_threads, m, &best_val, &best_col) != 0) return -1;
+    const int64_t max_rows = widened ? CHUNK_M : TILE_M;
+    if (m < 1 || m > max_rows || k % CODES4_GROUP || argmax_start(num_threads, m, &best_val, &best_col) != 0)
+        return -1;
+    if (m > TILE_M) {
+        codes8_argmax_widened(x, lda, packed, m, n, k, best_val, best_col, num_threads);
+        argmax_finish(best_val, best_col, num_threads, m, out_ids);
+        return 0;
+    }
     const int64_t block_bytes = (k / CODES4_GROUP) * CODES8_GROUP_BYTES;
 #pragma omp parallel num_threads(num_threads)
     {
@@ -133,7 +185,7 @@ int folio_gemm_argmax_codes8(const float *x, int64_t lda, const uint8_t *packed,
     argmax_finish(best_val, best_col, num_threads, m, out_ids);
     return 0;
 #else
-    (void)x, (void)lda, (void)packed, (void)m, (void)n, (void)k, (void)out_ids, (void)num_threads;
+    (void)x, (void)lda, (void)packed, (void)m, (void)n, (void)k, (void)widened, (void)out_ids, (void)num_threads;
     return -1;
 #endif
 }

@@ -185,11 +185,11 @@ class LlamaForCausalLM(nn.Module):
         head = self.tied_lm_head_packed if self.lm_head is None else self.lm_head.packed_weight
         if not isinstance(head, PackedWeight) or (self.lm_head is not None and self.lm_head.bias is not None):
             return None
-        if (
-            self.lm_head_codes8 is not None
-            and (ids := head.gemm.argmax_codes8(hidden, self.lm_head_codes8)) is not None
-        ):
-            return ids
+        if self.lm_head_codes8 is not None:
+            # beyond one row tile the bfloat16 screen, where the plan has it, beats any float32 arg-max
+            widened = self.lm_head_screen is None
+            if (ids := head.gemm.argmax_codes8(hidden, self.lm_head_codes8, widened)) is not None:
+                return ids
         return head.gemm.argmax(hidden, head, self.lm_head_screen)
 
     def pack_for_cpu(self, kernels: CpuKernels) -> None:

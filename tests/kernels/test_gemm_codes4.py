@@ -203,9 +203,14 @@ def _q8_0_weight(n: int, k: int, seed: int) -> torch.Tensor:
     return dequantize_to_float32(raw, GGMLQuantizationType.Q8_0, (n, k)).contiguous()
 
 
-@pytest.mark.parametrize(("m", "n", "k"), [(1, 49152, 576), (1, 7, 32), (3, 100, 64), (4, 49, 96), (8, 1000, 576)])
+@pytest.mark.parametrize(
+    ("m", "n", "k"),
+    [(1, 49152, 576), (1, 7, 32), (3, 100, 64), (4, 49, 96), (8, 1000, 576), (9, 50, 64), (64, 3001, 576),
+     (256, 97, 160)],
+)  # fmt: skip
 def test_lm_head_codes_give_the_float32_arg_max(cpu_tier: IsaTier, m: int, n: int, k: int) -> None:
-    """8-bit codes (a GGUF's Q8_0) for the greedy LM head: the float32 path's token, ties to the first column."""
+    """8-bit codes (a GGUF's Q8_0) for the greedy LM head: the float32 path's token, ties to the first column; one
+    row tile widened in registers, more rows (up to a 256-row chunk) over blocks widened once."""
     gemm = _gemm(cpu_tier)
     w = _q8_0_weight(n, k, seed=n + m)
     w[n // 2] = w[n // 3]  # two equal columns: a tie whenever they win
@@ -216,10 +221,13 @@ def test_lm_head_codes_give_the_float32_arg_max(cpu_tier: IsaTier, m: int, n: in
     x[0] = w[n // 3] * 4  # row 0 picks the tied pair
     got = gemm.argmax_codes8(x, head)
     tile_rows = {IsaTier.GENERIC: 0, IsaTier.AVX2: 4}.get(cpu_tier, 8)  # no vector tile on generic
-    if m > tile_rows:
+    one_tile = gemm.argmax_codes8(x, head, widened=False)  # where the bfloat16 screen takes more rows
+    assert (one_tile is None) == (m > tile_rows)
+    if cpu_tier == IsaTier.GENERIC:
         assert got is None  # the caller takes the float32 paths
         return
     assert got is not None and got.tolist() == gemm.argmax(x, plain).tolist()
+    assert one_tile is None or one_tile.tolist() == got.tolist()
     assert int(got[0]) == min(n // 2, n // 3)
     torch.testing.assert_close(got, (x.double() @ w.double().T).argmax(dim=1), rtol=0, atol=0)
 
@@ -227,7 +235,7 @@ def test_lm_head_codes_give_the_float32_arg_max(cpu_tier: IsaTier, m: int, n: in
 def test_lm_head_codes_leave_more_rows_and_other_weights_to_float32(cpu_tier: IsaTier) -> None:
     gemm = _gemm(cpu_tier)
     head = gemm.pack_codes8(_q8_0_weight(64, 64, seed=1))
-    assert head is not None and gemm.argmax_codes8(torch.randn(9, 64), head) is None  # more rows than any tile
+    assert head is not None and gemm.argmax_codes8(torch.randn(257, 64), head) is None  # more than one chunk
     assert gemm.pack_codes8(torch.randn(64, 64)) is None
     assert gemm.pack_codes8(_q8_0_weight(64, 96, seed=1)[:, :80].contiguous()) is None
     w = _q8_0_weight(16, 32, seed=2)
