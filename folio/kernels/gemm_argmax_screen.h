@@ -10,7 +10,8 @@
  *     so the float32 arg-max (and every column tied with it) lies among the candidates S_v + b_v >= T;
  *  3. rescore: each candidate's whole 48-column block through the float32 tile (the same code and so the same
  *     float32 values as folio_gemm_argmax_f32), and the same arg-max merge: the identical token, ties included.
- * On SmolLM2 W1 a row keeps about 9 candidates (at most 96) of 49152 (benchmarks/lm_head_screen.py).
+ * On SmolLM2 W1 a row keeps about 9 candidates (at most 96) of 49152 (docs/performance.md, session 13);
+ * benchmarks/lm_head_argmax.py times it against the other arg-max paths.
  *
  * The bound, with u = 2^-24 (float32), h = 2^-8 (bfloat16 rounding to nearest), K terms, A = sum |x_k w_k|:
  *   the float32 FMA chain is within K u / (1 - K u) A of the exact dot product; the bfloat16 products are exact
