@@ -79,7 +79,12 @@ static inline __attribute__((always_inline)) void CAT(block_v_slice_avx2_, KV_SU
         for (int w = 0; w < W; ++w) a[g][w] = _mm256_loadu_ps(acc + g * D + 8 * (s0 + w));
     for (int64_t j = 0; j < n_block; ++j) {
         __m256 vv[4];
-        for (int w = 0; w < W; ++w) vv[w] = CAT(kv_load8_, KV_SUFFIX)(vb + j * pos_stride + 8 * (s0 + w));
+        for (int w = 0; w < W; ++w) {
+            vv[w] = CAT(kv_load8_, KV_SUFFIX)(vb + j * pos_stride + 8 * (s0 + w));
+            /* held in a register: else gcc folds the load into each query head's FMA (G loads of it, and the
+             * loop bound by loads): 6% less time a float32 step from DRAM on Zen 3 (session 42) */
+            __asm__("" : "+x"(vv[w]));
+        }
         for (int g = 0; g < G; ++g) {
             const __m256 pj = _mm256_broadcast_ss(probs + g * ctx16 + j);
             for (int w = 0; w < W; ++w) a[g][w] = _mm256_fmadd_ps(pj, vv[w], a[g][w]);
