@@ -8,7 +8,10 @@ thread fewer than the cores the competitor leaves free, no barrier waits for a d
 The signal is the kernel's own: the time our threads spent runnable but waiting for a CPU (``schedstat``'s run
 queue wait). Over a window of steps, that wait in cores (wait / wall) is how much of the machine others took;
 the governor runs that many threads fewer, and every ``probe_after_s`` tries the full count again in case the
-competitor has left.
+competitor has left. A first sighting must last ``confirm_windows`` windows: a blip (a shell command, a burst of
+another process) would otherwise halve two cores for a whole probe period, 5 s, for a wait of a tenth of a second
+(a W1 run fell from 250 to 206 tok/s so on a Zen 3 VM, session 42). A probe that finds the competitor still
+there takes the threads back at once.
 """
 
 from __future__ import annotations
@@ -47,15 +50,20 @@ class CpuThreadGovernor:
         lost_cores_threshold: float = 0.25,
         clock: Callable[[], float] = time.monotonic,
         wait_clock: Callable[[], float] = run_queue_wait_seconds,
+        confirm_windows: int = 2,
     ) -> None:
         """max_threads: the quiet machine's count; window_s: how much wall time one decision sees;
-        lost_cores_threshold: the run-queue wait, in cores, above which threads are taken away."""
+        lost_cores_threshold: the run-queue wait, in cores, above which threads are taken away; confirm_windows:
+        consecutive windows above it before a competitor not seen at the last probe counts."""
         self.max_threads = max_threads
         self.threads = max_threads
         self._window_s, self._probe_after_s, self._threshold = window_s, probe_after_s, lost_cores_threshold
         self._clock, self._wait_clock = clock, wait_clock
         self._window_start, self._wait_start = clock(), wait_clock()
         self._reduced_at: float | None = None
+        self._confirm_windows = confirm_windows
+        self._windows_over = 0  # consecutive windows above the threshold at the full count
+        self._probing = False  # the full count is back for a probe: a competitor was there 5 s ago
 
     def threads_for_step(self) -> int:
         """The count to use for the next step; decides at most once per window, so a step costs a clock read."""
@@ -64,12 +72,18 @@ class CpuThreadGovernor:
         if elapsed < self._window_s:
             return self.threads
         lost_cores = (self._wait_clock() - self._wait_start) / elapsed
-        if lost_cores > self._threshold and self.threads > 1:
+        over = lost_cores > self._threshold and self.threads > 1
+        self._windows_over = self._windows_over + 1 if over else 0
+        if over and (self._probing or self.threads < self.max_threads or self._windows_over >= self._confirm_windows):
             self.threads = max(1, self.threads - math.ceil(lost_cores))
-            self._reduced_at = now
+            self._reduced_at, self._windows_over = now, 0
         elif self._reduced_at is not None and now - self._reduced_at >= self._probe_after_s:
             self.threads = self.max_threads  # the next window says whether the competitor is still there
             self._reduced_at = None
+            self._probing = True
+            self._window_start, self._wait_start = now, self._wait_clock()
+            return self.threads
+        self._probing = False
         self._window_start, self._wait_start = now, self._wait_clock()
         return self.threads
 
