@@ -10,8 +10,8 @@ queue wait). Over a window of steps, that wait in cores (wait / wall) is how muc
 the governor runs that many threads fewer, and every ``probe_after_s`` tries the full count again in case the
 competitor has left. A first sighting must last ``confirm_windows`` windows: a blip (a shell command, a burst of
 another process) would otherwise halve two cores for a whole probe period, 5 s, for a wait of a tenth of a second
-(a W1 run fell from 250 to 206 tok/s so on a Zen 3 VM, session 42). A probe that finds the competitor still
-there takes the threads back at once.
+(on a Zen 3 VM a W1 run beside a script that started a `python3` every 5 s ran at 206 tok/s, about 250 without it;
+docs/performance.md, session 42). A probe that finds the competitor still there takes the threads back at once.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ class CpuThreadGovernor:
         self._reduced_at: float | None = None
         self._confirm_windows = confirm_windows
         self._windows_over = 0  # consecutive windows above the threshold at the full count
-        self._probing = False  # the full count is back for a probe: a competitor was there 5 s ago
+        self._probing = False  # the full count is back for a probe: a competitor was there probe_after_s ago
 
     def threads_for_step(self) -> int:
         """The count to use for the next step; decides at most once per window, so a step costs a clock read."""
@@ -74,16 +74,13 @@ class CpuThreadGovernor:
         lost_cores = (self._wait_clock() - self._wait_start) / elapsed
         over = lost_cores > self._threshold and self.threads > 1
         self._windows_over = self._windows_over + 1 if over else 0
-        if over and (self._probing or self.threads < self.max_threads or self._windows_over >= self._confirm_windows):
+        probing, self._probing = self._probing, False
+        if over and (probing or self.threads < self.max_threads or self._windows_over >= self._confirm_windows):
             self.threads = max(1, self.threads - math.ceil(lost_cores))
             self._reduced_at, self._windows_over = now, 0
         elif self._reduced_at is not None and now - self._reduced_at >= self._probe_after_s:
             self.threads = self.max_threads  # the next window says whether the competitor is still there
-            self._reduced_at = None
-            self._probing = True
-            self._window_start, self._wait_start = now, self._wait_clock()
-            return self.threads
-        self._probing = False
+            self._reduced_at, self._probing = None, True
         self._window_start, self._wait_start = now, self._wait_clock()
         return self.threads
 
