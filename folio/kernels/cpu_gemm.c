@@ -60,7 +60,8 @@
 /* The GEMM item loops' schedule. Guided rather than static: on a 2-core Zen 3 VM (avx2) whose cores' speed swung
  * 15-20% from minute to minute, W1 float32 ran 2-6% faster (farm-bench, 9 pairs) and the GEMM alone 7-8%
  * (M = 64 and 512; docs/performance.md, session 41); the outputs are the same bits (an item's tile does not depend on
- * which thread runs it). The AVX-512-only loops (bfloat16 screen, 8-bit codes, AMX) stay static until measured. */
+ * which thread runs it); the 8-bit codes' arg-max over widened blocks (every vector tier) too. The AVX-512-only loops
+ * (bfloat16 screen, the 8-bit codes' one-tile arg-max, AMX) stay static until measured. */
 #define GEMM_ITEMS _Pragma("omp for schedule(guided)")
 #define STEP_BYTES (BLOCK_N * 4) /* packed bytes per k (float32) or k pair (bfloat16) */
 #define PREFETCH_BYTES (16 * STEP_BYTES)

@@ -259,7 +259,7 @@ static void *thread_scratch(ThreadScratch *s, int64_t bytes) {
     return s->data;
 }
 
-static _Thread_local ThreadScratch codes4_scratch; /* each thread's widened float32 block */
+static _Thread_local ThreadScratch codes4_scratch; /* each thread's widened float32 block (and the 8-bit arg-max's) */
 
 #include "gemm_codes4_amx.h"
 

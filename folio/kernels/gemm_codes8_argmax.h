@@ -1,4 +1,5 @@
-/* Included by cpu_gemm.c after gemm_codes4.h, whose group size, packing driver and float16 rounding it uses. */
+/* Included by cpu_gemm.c after gemm_codes4.h, whose group size, packing driver, float16 rounding
+ * and per-thread widened block (codes4_scratch) it uses. */
 
 /* The greedy LM head over 8-bit codes: a GGUF's Q8_0 weight (fl(d q), q an int8, d a float16 step per 32 k)
  * dequantizes to float32 values that are exact products, kept here as the codes and a float32 step per group (9
