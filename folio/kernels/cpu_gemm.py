@@ -77,6 +77,8 @@ class Codes8Head:
     data: torch.Tensor  # uint8, folio_gemm_pack_codes8's layout
     n: int
     k: int
+    col_abs_sum: torch.Tensor  # [n] float32, at least each row's L1 norm (the int16 screen's bound)
+    w_abs_max: float  # at least max |w|
 
 
 class CpuGemm:
@@ -117,6 +119,13 @@ class CpuGemm:
         # x, lda, packed, m, n, k, widened, out_ids, num_threads
         self._argmax_codes8 = _bind(
             lib, "folio_gemm_argmax_codes8", [_ptr, _i64, _ptr, _i64, _i64, _i64, _int, _ptr, _int], _int
+        )
+        # x, lda, packed, col_abs_sum, w_abs_max, m, n, k, out_ids, num_threads
+        self._argmax_codes8_screened = _bind(
+            lib,
+            "folio_gemm_argmax_codes8_screened",
+            [_ptr, _i64, _ptr, _ptr, ctypes.c_float, _i64, _i64, _i64, _ptr, _int],
+            _int,
         )
 
     @staticmethod
@@ -237,7 +246,15 @@ class CpuGemm:
         if weight.dtype != torch.float32 or weight.dim() != 2:
             return None
         data = _try_codes(weight, self._codes8_bytes, self._pack_codes8)
-        return None if data is None else Codes8Head(data, weight.shape[0], weight.shape[1])
+        if data is None:
+            return None
+        # the codes are exact, so the weight is finite; sums in float64 a slice of rows at a time, rounded up
+        lowest, highest = (float(v) for v in torch.aminmax(weight))
+        col_abs_sum = torch.cat(
+            [rows.abs().sum(dim=1, dtype=torch.float64) for rows in weight.split(_SCREEN_NORM_ROWS)]
+        )
+        col_abs_sum = (col_abs_sum * (1 + 1e-6)).float().contiguous()
+        return Codes8Head(data, weight.shape[0], weight.shape[1], col_abs_sum, max(-lowest, highest) * (1 + 1e-6))
 
     def argmax_codes8(self, x: torch.Tensor, head: Codes8Head, widened: bool = True) -> torch.Tensor | None:
         """``argmax`` of float32 x [T, k] over the head's codes (the float32 logits' token, the first of equals);
@@ -253,6 +270,23 @@ class CpuGemm:
             out.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
         return out if status == 0 else None
+
+    def argmax_codes8_screened(self, x: torch.Tensor, head: Codes8Head) -> tuple[torch.Tensor | None, int]:
+        """``argmax_codes8`` of float32 x [T, k] through the int16 screen (gemm_codes8_screen.h): the same token;
+        also the kernel's status: 0 screened, 1 the exact path taken instead (non-finite, huge or tiny rows, too
+        many candidates), -1 not run (T > 256), -2 not in this library (AVX2 only)."""
+        if x.dtype != torch.float32:
+            return None, -1
+        if x.stride(-1) != 1 or x.dim() != 2:
+            x = x.reshape(-1, x.shape[-1]).contiguous()
+        out = torch.empty(x.shape[0], dtype=torch.int64)
+        status = int(
+            self._argmax_codes8_screened(
+                x.data_ptr(), x.stride(0), head.data.data_ptr(), head.col_abs_sum.data_ptr(), head.w_abs_max,
+                x.shape[0], head.n, head.k, out.data_ptr(), torch.get_num_threads(),
+            )
+        )  # fmt: skip
+        return (out if status in (0, 1) else None), status
 
     def build_screen(self, weight: torch.Tensor, huge_pages: bool = True) -> ArgmaxScreen | None:
         """The bfloat16 screen of a float32 weight [n, k] for ``argmax`` (packed as ``pack_all`` packs); None

@@ -31,6 +31,9 @@ FOLIO_MIN_TIER: dict[str, IsaTier] = {
     # a float32 greedy LM head screened in bfloat16 and rescored in float32 (the float32 arg-max exactly): needs
     # vdpbf16ps, twice the float32 FMA's work per instruction; widened bfloat16 does the float32 FMA's work
     "lm_head_bf16_screen": IsaTier.AVX512_BF16,
+    # a float32 greedy LM head kept as 8-bit codes (a GGUF's Q8_0), screened in int16 (vpmaddwd) and rescored in
+    # float32 (gemm_codes8_screen.h): AVX2 bodies only, so the AVX2 tier only (below LM_HEAD_INT16_SCREEN_MAX_TIER)
+    "lm_head_int16_screen": IsaTier.AVX2,
     # whole KV blocks between the tiers and for copy-on-write: libc's memcpy per block run, vectorised by libc on
     # every tier; 1.9-2.4x the speed of ATen's gather-then-scatter (benchmarks/kv_block_copy.py)
     "kv_block_copy": IsaTier.GENERIC,
@@ -44,6 +47,10 @@ FOLIO_MIN_TIER: dict[str, IsaTier] = {
 # session 41). With it: bfloat16 on Zen 5 +2.7%, float32 on Zen 5 and the Xeons about even.
 # cpu_kv_prefetch_bytes overrides the plan either way.
 KV_SIDE_PREFETCH_MIN_TIER = IsaTier.AVX512
+
+# The int16 screen has an AVX2 body only: an AVX-512 library (the Xeons without avx512_bf16) keeps the 8-bit codes'
+# float32 arg-max until a 512-bit body is written and measured there.
+LM_HEAD_INT16_SCREEN_MAX_TIER = IsaTier.AVX2
 
 # bfloat16 needs AVX-512: below it the widening bfloat16 GEMM ran slower than float32 from M = 16 up (about 89
 # against 120 GFLOP/s per core, AVX2 build on Zen 5: the shifts share the FMA pipes) and oneDNN refuses bfloat16,
@@ -70,7 +77,8 @@ class CpuPlan:
     dtype_name: str  # "float32" or "bfloat16"
     gemm: str
     lm_head_argmax: str  # the greedy step's LM head without writing the logits: Folio's GEMM ("folio"), or in
-    # float32 its bfloat16 screen with a float32 rescore ("folio_bf16_screen"), or "off"
+    # float32 its bfloat16 screen with a float32 rescore ("folio_bf16_screen"), or for a head of 8-bit codes their
+    # int16 screen with a float32 rescore ("folio_int16_screen"), or "off"
     decode_attention: str
     prefill_attention: str
     elementwise: str  # RMSNorm + residual, rotary, SiLU-and-mul, the K/V write
@@ -103,7 +111,7 @@ def choose_cpu_plan(tier: IsaTier, dtype_name: str, have_compiler: bool = True, 
         tier=tier,
         dtype_name=dtype_name,
         gemm=gemm,
-        lm_head_argmax=_lm_head_argmax(gemm, dtype_name, folio_or("lm_head_bf16_screen", "") == "folio"),
+        lm_head_argmax=_lm_head_argmax(gemm, dtype_name, tier, have_compiler),
         decode_attention=decode,
         prefill_attention=prefill,
         elementwise=elementwise,
@@ -113,8 +121,13 @@ def choose_cpu_plan(tier: IsaTier, dtype_name: str, have_compiler: bool = True, 
     )
 
 
-def _lm_head_argmax(gemm: str, dtype_name: str, screen_runs: bool) -> str:
-    """Folio's fused arg-max needs Folio's GEMM; a float32 one is screened in bfloat16 where vdpbf16ps exists."""
+def _lm_head_argmax(gemm: str, dtype_name: str, tier: IsaTier, have_compiler: bool) -> str:
+    """Folio's fused arg-max needs Folio's GEMM; a float32 one is screened in bfloat16 where vdpbf16ps exists, and
+    in int16 (for a head of 8-bit codes) on the AVX2 tier."""
     if gemm != "folio":
         return "off"
-    return "folio_bf16_screen" if dtype_name == "float32" and screen_runs else "folio"
+    if dtype_name == "float32" and have_compiler and tier >= FOLIO_MIN_TIER["lm_head_bf16_screen"]:
+        return "folio_bf16_screen"
+    if dtype_name == "float32" and FOLIO_MIN_TIER["lm_head_int16_screen"] <= tier <= LM_HEAD_INT16_SCREEN_MAX_TIER:
+        return "folio_int16_screen"
+    return "folio"

@@ -98,18 +98,8 @@ int folio_gemm_argmax_screened_f32(const float *x, int64_t lda, const float *pac
         goto done;
     }
     /* the blocks holding a candidate of each row: S + b at or above the row's threshold over all threads */
-    int64_t npairs = 0;
-    for (int64_t r = 0; r < m; ++r) {
-        float t = -FLT_MAX;
-        for (int64_t p = 0; p < threads; ++p) t = threshold[p * m + r] > t ? threshold[p * m + r] : t;
-        for (int64_t p = 0; p < threads; ++p) {
-            const int64_t list = (p * m + r) * SCREEN_CAP;
-            for (int32_t i = 0; i < cand_count[p * m + r]; ++i)
-                if (cand_hi[list + i] >= t) wanted[r * nblocks + cand_col[list + i] / BLOCK_N] = 1;
-        }
-        for (int64_t b = 0; b < nblocks; ++b)
-            if (wanted[r * nblocks + b]) pairs[npairs++] = r * nblocks + b;
-    }
+    const int64_t npairs = screen_pairs(threshold, cand_col, cand_hi, cand_count, threads, m, nblocks, BLOCK_N, wanted,
+                                        pairs);
     argmax_reset(best_val, best_col, threads * m * 16);
 #pragma omp parallel num_threads(num_threads)
     {
@@ -119,7 +109,7 @@ int folio_gemm_argmax_screened_f32(const float *x, int64_t lda, const float *pac
         const NextBlock none = {NULL, NULL, 0};
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < npairs; ++i) {
-            const int64_t r = pairs[i] / nblocks, b = pairs[i] % nblocks;
+            const int64_t b = pairs[i] / m, r = pairs[i] % m;
             tile_f32(x + r * lda, lda, packed_f32 + b * block_elems, k, 1, &e, r, b * BLOCK_N, none, NULL);
         }
     }

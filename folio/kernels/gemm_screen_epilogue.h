@@ -1,11 +1,12 @@
-/* The screening epilogue of the float32 LM head's bfloat16 screen (gemm_argmax_screen.h says why and how): where
- * a bfloat16 tile's sums go instead of memory. Included by cpu_gemm.c before its tiles' store16. */
-#if GEMM_VEC_BITS == 512 && defined(__AVX512BF16__)
+/* What the LM head's screens share (gemm_argmax_screen.h: bfloat16 on avx512_bf16; gemm_codes8_screen.h: int16 on
+ * AVX2): the per-thread state a screening tile's sums go into instead of memory, and the candidates it leaves.
+ * Included by cpu_gemm.c before its tiles' store16. */
+#if GEMM_VEC_BITS > 0
 #define SCREEN_CAP 2048 /* candidate slots per row per thread before the exact path takes over */
 
 /* What the screening epilogue (screen_store16) reads and writes: one per thread. */
 typedef struct ScreenState {
-    const float *w_norm;    /* [n] an upper bound of ||w_v||_2 */
+    const float *w_norm;    /* [n] an upper bound of a norm of w_v: ||w_v||_2 (bfloat16), ||w_v||_1 (int16) */
     const float *row_scale; /* [m] c ||x_r||: b_v = row_scale[r] w_norm[v] + row_slack[r] */
     const float *row_slack; /* [m] */
     float *threshold;       /* [m] this thread's running max over its columns of S - b */
@@ -16,7 +17,7 @@ typedef struct ScreenState {
 } ScreenState;
 
 /* Keeps row's candidates whose S + b still reaches the threshold; returns how many are left. */
-static int32_t screen_compact(ScreenState *s, int64_t row) {
+static inline int32_t screen_compact(ScreenState *s, int64_t row) {
     int32_t *cols = s->cand_col + row * SCREEN_CAP;
     float *his = s->cand_hi + row * SCREEN_CAP;
     const float t = s->threshold[row];
@@ -29,6 +30,16 @@ static int32_t screen_compact(ScreenState *s, int64_t row) {
     return s->cand_count[row] = kept;
 }
 
+/* Whether a float is finite and below 2^100 in magnitude, by its bits: -ffast-math lets the compiler assume
+ * isfinite() is always true. */
+static inline int screen_sane(double v) {
+    float f = (float)v;
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    return ((bits >> 23) & 0xffu) < 127u + 100u;
+}
+
+#if GEMM_VEC_BITS == 512 && defined(__AVX512BF16__)
 static void screen_store16(ScreenState *s, int64_t row, int64_t col, __m512 acc, __mmask16 mask) {
     const __m512 b = _mm512_fmadd_ps(_mm512_set1_ps(s->row_scale[row]), _mm512_maskz_loadu_ps(mask, s->w_norm + col),
                                      _mm512_set1_ps(s->row_slack[row]));
@@ -49,13 +60,61 @@ static void screen_store16(ScreenState *s, int64_t row, int64_t col, __m512 acc,
     s->cand_count[row] += __builtin_popcount((unsigned)keep);
 }
 
-/* Whether a float is finite and below 2^100 in magnitude, by its bits: -ffast-math lets the compiler assume
- * isfinite() is always true. */
-static inline int screen_sane(double v) {
-    float f = (float)v;
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    return ((bits >> 23) & 0xffu) < 127u + 100u;
+#endif
+
+#if GEMM_VEC_BITS == 256
+/* screen_store16 for 8 columns [col, col + 8) of one row (AVX2: no compress store; a kept column is rare). */
+static void screen_store8(ScreenState *s, int64_t row, int64_t col, __m256 acc, int64_t n) {
+    if (col >= n) return;
+    const int valid = n - col < 8 ? (int)(n - col) : 8;
+    const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(valid), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    const __m256 b = _mm256_fmadd_ps(_mm256_set1_ps(s->row_scale[row]), _mm256_maskload_ps(s->w_norm + col, mask),
+                                     _mm256_set1_ps(s->row_slack[row]));
+    const __m256 lo = _mm256_blendv_ps(_mm256_set1_ps(-FLT_MAX), _mm256_sub_ps(acc, b), _mm256_castsi256_ps(mask));
+    const __m256 hi = _mm256_add_ps(acc, b);
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(lo), _mm256_extractf128_ps(lo, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    const float lo_max = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+    if (lo_max > s->threshold[row]) s->threshold[row] = lo_max;
+    unsigned keep = (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(hi, _mm256_set1_ps(s->threshold[row]), _CMP_GE_OQ)) &
+                    ((1u << valid) - 1u);
+    if (keep == 0) return;
+    if (s->cand_count[row] + 8 > SCREEN_CAP && screen_compact(s, row) + 8 > SCREEN_CAP) {
+        s->overflow = 1;
+        return;
+    }
+    float his[8];
+    _mm256_storeu_ps(his, hi);
+    const int64_t at = row * SCREEN_CAP + s->cand_count[row];
+    int32_t kept = 0;
+    for (; keep != 0; keep &= keep - 1) {
+        const int lane = __builtin_ctz(keep);
+        s->cand_col[at + kept] = (int32_t)col + lane;
+        s->cand_hi[at + kept++] = his[lane];
+    }
+    s->cand_count[row] += kept;
 }
 #endif
 
+/* After a screen: the (block, row) pairs to rescore, block-major (block * m + row), into pairs; returns their
+ * count. A row's candidates are those whose S + b reaches the row's threshold over all threads ([threads][m]
+ * each, as the screening tiles left them); wanted is [m][nblocks] zeroed scratch. */
+static inline int64_t screen_pairs(const float *threshold, const int32_t *cand_col, const float *cand_hi,
+                                   const int32_t *cand_count, int64_t threads, int64_t m, int64_t nblocks,
+                                   int64_t block_n, uint8_t *wanted, int64_t *pairs) {
+    for (int64_t r = 0; r < m; ++r) {
+        float t = -FLT_MAX;
+        for (int64_t p = 0; p < threads; ++p) t = threshold[p * m + r] > t ? threshold[p * m + r] : t;
+        for (int64_t p = 0; p < threads; ++p) {
+            const int64_t list = (p * m + r) * SCREEN_CAP;
+            for (int32_t i = 0; i < cand_count[p * m + r]; ++i)
+                if (cand_hi[list + i] >= t) wanted[r * nblocks + cand_col[list + i] / block_n] = 1;
+        }
+    }
+    int64_t npairs = 0;
+    for (int64_t b = 0; b < nblocks; ++b)
+        for (int64_t r = 0; r < m; ++r)
+            if (wanted[r * nblocks + b]) pairs[npairs++] = b * m + r;
+    return npairs;
+}
+#endif

@@ -160,6 +160,7 @@ class LlamaForCausalLM(nn.Module):
         self.tied_lm_head_packed: Any = None  # set by pack_for_cpu when embeddings are tied
         self.lm_head_screen: ArgmaxScreen | None = None  # set by pack_for_cpu where the plan screens the arg-max
         self.lm_head_codes8: Codes8Head | None = None  # set by pack_for_cpu where the head is exactly 8-bit codes
+        self.lm_head_codes8_screened = False  # set by pack_for_cpu where the plan screens those codes in int16
 
     def forward(
         self,
@@ -185,6 +186,10 @@ class LlamaForCausalLM(nn.Module):
         head = self.tied_lm_head_packed if self.lm_head is None else self.lm_head.packed_weight
         if not isinstance(head, PackedWeight) or (self.lm_head is not None and self.lm_head.bias is not None):
             return None
+        if self.lm_head_codes8 is not None and self.lm_head_codes8_screened:
+            ids, _ = head.gemm.argmax_codes8_screened(hidden, self.lm_head_codes8)
+            if ids is not None:
+                return ids
         if self.lm_head_codes8 is not None:
             # beyond one row tile the bfloat16 screen, where the plan has it, beats any float32 arg-max
             widened = self.lm_head_screen is None
@@ -202,6 +207,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head_screen = kernels.gemm.build_screen(head_weight, kernels.huge_pages)
         if kernels.plan.lm_head_argmax != "off" and kernels.gemm is not None and kernels.compact_weights:
             self.lm_head_codes8 = kernels.gemm.pack_codes8(head_weight)
+            self.lm_head_codes8_screened = kernels.plan.lm_head_argmax == "folio_int16_screen"
         compact = [True] * len(weights)  # the projections may stay 4-bit codes; the LM head's arg-max reads float32
         if self.lm_head is None:
             weights.append(head_weight)

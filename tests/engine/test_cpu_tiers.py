@@ -54,7 +54,33 @@ def test_bfloat16_below_avx512_is_refused_with_the_way_out() -> None:
         )
 
 
-def test_bf16_screened_lm_head_gives_the_float32_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+def _screened_and_exact_tokens(llm: LLM, gemm: Any, method: str) -> tuple[list[Any], list[Any], list[int]]:
+    """Greedy tokens of 24 W1 prompts (cut to 16 tokens) through the LM head's screen, the kernel entry point
+    ``method`` of ``gemm`` with its statuses recorded: (prompts, tokens, statuses)."""
+    statuses: list[int] = []
+    screened_argmax = getattr(gemm, method)
+
+    def recording(*args: Any) -> Any:
+        out, status = screened_argmax(*args)
+        statuses.append(status)
+        return out, status
+
+    setattr(gemm, method, recording)
+    prompts = [{"prompt_token_ids": r.prompt_token_ids[:16]} for r in load_w1(str(DEFAULT_W1_PATH), 24, 32)]
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    try:
+        screened = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    finally:
+        delattr(gemm, method)
+    return prompts, screened, statuses
+
+
+def _tokens(llm: LLM, prompts: list[Any]) -> list[Any]:
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def test_bf16_screened_lm_head_gives_the_float32_tokens() -> None:
     """Where the plan screens the float32 greedy LM head in bfloat16 (avx512_bf16), every greedy token of 24 W1
     prompts is the one the float32 arg-max picks, and the screen did the work (status 0 at every step). The prompts
     are cut to their first 16 tokens: the screen runs on the decode steps, and the whole prompts' prefills were
@@ -63,21 +89,23 @@ def test_bf16_screened_lm_head_gives_the_float32_tokens(monkeypatch: pytest.Monk
     model = llm.llm_engine.executor.worker.model
     if model.lm_head_screen is None:
         pytest.skip("no bfloat16 screen below the avx512_bf16 tier")
-    gemm = model.tied_lm_head_packed.gemm
-    statuses: list[int] = []
-    screened_argmax = gemm.screened_argmax
-
-    def recording(*args: Any) -> Any:
-        out, status = screened_argmax(*args)
-        statuses.append(status)
-        return out, status
-
-    monkeypatch.setattr(gemm, "screened_argmax", recording)
-    prompts = [{"prompt_token_ids": r.prompt_token_ids[:16]} for r in load_w1(str(DEFAULT_W1_PATH), 24, 32)]
-    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
-    screened = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    prompts, screened, statuses = _screened_and_exact_tokens(llm, model.tied_lm_head_packed.gemm, "screened_argmax")
     assert statuses and set(statuses) == {0}, statuses
     model.lm_head_screen = None
-    exact = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    assert screened == exact
+    assert screened == _tokens(llm, prompts)
+    assert_no_leaks(llm)
+
+
+def test_int16_screened_lm_head_gives_the_float32_tokens() -> None:
+    """On the avx2 tier (which every CI machine runs) SmolLM2's Q8_0 LM head is screened in int16: every greedy
+    token of 24 W1 prompts is the one the codes' float32 arg-max picks, and the screen did the work (status 0 at
+    every step), as above."""
+    llm = LLM(dtype="float32", cpu_isa="avx2", **SMALL_ENGINE)
+    model = llm.llm_engine.executor.worker.model
+    assert model.lm_head_codes8 is not None and model.lm_head_codes8_screened
+    gemm = model.tied_lm_head_packed.gemm
+    prompts, screened, statuses = _screened_and_exact_tokens(llm, gemm, "argmax_codes8_screened")
+    assert statuses and set(statuses) == {0}, statuses
+    model.lm_head_codes8_screened = False
+    assert screened == _tokens(llm, prompts)
     assert_no_leaks(llm)

@@ -75,7 +75,9 @@ def test_folio_kernel_exactly_where_it_has_a_vectorised_body(tier: IsaTier, dtyp
     ]:
         assert (impl == "folio") == (tier >= FOLIO_MIN_TIER[op]), (op, impl)
     screened = dtype_name == "float32" and tier >= FOLIO_MIN_TIER["lm_head_bf16_screen"]
-    assert plan.lm_head_argmax == ("off" if plan.gemm != "folio" else "folio_bf16_screen" if screened else "folio")
+    int16_screened = dtype_name == "float32" and tier == IsaTier.AVX2  # the int16 screen's only body: AVX2
+    expected_head = "folio_bf16_screen" if screened else "folio_int16_screen" if int16_screened else "folio"
+    assert plan.lm_head_argmax == ("off" if plan.gemm != "folio" else expected_head)
     every_op_folio = {plan.gemm, plan.decode_attention, plan.prefill_attention, plan.elementwise} == {"folio"}
     assert (plan.fused_decoder == "folio") == every_op_folio
     # the fused decoder's K/V side prefetch: from AVX-512 on (it never paid on an AVX2-only Zen 3)

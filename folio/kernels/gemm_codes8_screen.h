@@ -1,0 +1,260 @@
+/* The greedy LM head over 8-bit codes, screened in int16 on AVX2 (included by cpu_gemm.c after
+ * gemm_codes8_argmax.h, whose layout, widening and exact arg-max it uses).
+ *
+ * Why: AVX2 has no vdpbf16ps, but vpmaddwd multiplies 16 int16 pairs into 8 int32 lanes: with its vpaddd, 1.6x the
+ * float32 FMA's multiply-adds per second on Zen 3 (2 cores of an AMD EPYC, avx2). A Q8_0 head's weights are int8
+ * codes q times a step d per 32 k, so with x rounded to int16 per row (x ~ s xq, s = max |x| / 32767) a group's
+ * dot product is one exact int32 sum I_g = sum xq q, and S = s sum_g d_g I_g is within a small bound of the float32
+ * logit. As the bfloat16 screen (gemm_argmax_screen.h): T = max_v (S_v - b_v), every column with S_v + b_v >= T is
+ * a candidate, and each candidate's block is rescored through the float32 tile over the widened block (the values
+ * of folio_gemm_argmax_codes8 and folio_gemm_argmax_f32): the identical token, ties included.
+ *
+ * The bound, u = 2^-24, K terms in G groups, g(j) = j u / (1 - j u), n_v >= ||w_v||_1, a = max |x_r|:
+ *   rounding x: |x_k - s xq_k| <= 0.502 s (the quotient rounded, at most 32767 u s more by the clamp), so the
+ *   exact sum moves by <= 0.51 s n_v; the int32 sums are exact; float32 converts each, adds G of them with a step
+ *   (FMA) and multiplies by s: <= g(G + 2) a n_v (1 + 1e-4); the float32 tile's own FMA chain is within g(K) a n_v
+ *   of the exact dot product; a step d not a float16 makes fl(d q) != d q: <= u a n_v. So |L - S| <= c a n_v with
+ *   c = 0.51 / 32767 + g(G + 2) + g(K) + 4 u, enlarged 1% for the float32 rounding of b and S +- b (each <= u (|S|
+ *   + b) ~ u a n_v against c >= K u). Flushed subnormals move a term by < 2^-126 (1 + max|w| + a): `slack` per
+ *   row. On SmolLM2's head about c = 5e-5 relative to a n_v: a row keeps one or two candidate blocks.
+ * Rows with a non-finite, huge or tiny max, and candidate lists that overflow, take the exact path instead. */
+#if GEMM_VEC_BITS == 256
+#define I16_PAIRS (CODES4_GROUP / 2)           /* k pairs per group of 32 */
+#define I16_GROUP_VECS (I16_PAIRS * 3)         /* ymm of int16 pairs per group of a block: 3 per pair */
+#define I16_X_MAX 32767                        /* |xq| <= this: no vpmaddwd pair reaches 2^31 */
+
+static _Thread_local ThreadScratch codes8_screen_scratch; /* each thread's float32 sums of a block's rows */
+
+/* Group g of block `src` (8-bit codes) -> its int16 k pairs: dst[p][j] holds columns 8j .. 8j + 7 of k 32g + 2p and
+ * 32g + 2p + 1 side by side (vpmaddwd's operand layout). */
+static inline void codes8_widen_pairs(const uint8_t *group, __m256i *dst) {
+    const uint8_t *codes = group + BLOCK_N * sizeof(float);
+    for (int p = 0; p < I16_PAIRS; ++p) {
+        const uint8_t *even = codes + 2 * p * BLOCK_N, *odd = even + BLOCK_N;
+        const __m128i e16 = _mm_loadu_si128((const __m128i *)even), o16 = _mm_loadu_si128((const __m128i *)odd);
+        const __m128i e8 = _mm_loadl_epi64((const __m128i *)(even + 16));
+        const __m128i o8 = _mm_loadl_epi64((const __m128i *)(odd + 16));
+        _mm256_store_si256(dst + 3 * p, _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(e16, o16)));
+        _mm256_store_si256(dst + 3 * p + 1, _mm256_cvtepi8_epi16(_mm_unpackhi_epi8(e16, o16)));
+        _mm256_store_si256(dst + 3 * p + 2, _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(e8, o8)));
+    }
+}
+
+/* One group of one screening tile: MR rows of int16 x (from xg, row stride k) x the group's 24 columns. MR x 3
+ * exact int32 sums in registers (the pairs' vectors read from L1 as operands: 12 sums, a broadcast and a product
+ * of 16 registers), then converted and added with the group's steps d into the rows' float32 sums in L1. */
+#define DEFINE_TILE_I16(MR)                                                                                       \
+    static inline void tile_i16_##MR(const int16_t *xg, int64_t k, const __m256i *pairs, const float *d,         \
+                                     float *sums) {                                                               \
+        __m256i dot[MR][3];                                                                                       \
+        _Pragma("GCC unroll 8") for (int i = 0; i < MR; ++i) dot[i][0] = dot[i][1] = dot[i][2] =                  \
+            _mm256_setzero_si256();                                                                               \
+        _Pragma("GCC unroll 2") for (int p = 0; p < I16_PAIRS; ++p) {                                             \
+            _Pragma("GCC unroll 8") for (int i = 0; i < MR; ++i) {                                                \
+                int32_t pair;                                                                                     \
+                memcpy(&pair, xg + i * k + 2 * p, sizeof pair);                                                   \
+                const __m256i a = _mm256_set1_epi32(pair);                                                        \
+                for (int j = 0; j < 3; ++j)                                                                       \
+                    dot[i][j] = _mm256_add_epi32(dot[i][j], _mm256_madd_epi16(a, pairs[3 * p + j]));              \
+            }                                                                                                     \
+        }                                                                                                         \
+        _Pragma("GCC unroll 8") for (int i = 0; i < MR; ++i) for (int j = 0; j < 3; ++j) {                        \
+            float *at = sums + i * BLOCK_N + 8 * j;                                                               \
+            _mm256_store_ps(at, _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[i][j]), _mm256_loadu_ps(d + 8 * j),        \
+                                                _mm256_load_ps(at)));                                             \
+        }                                                                                                         \
+    }
+DEFINE_TILE_I16(3)
+DEFINE_TILE_I16(2)
+DEFINE_TILE_I16(1)
+
+/* The 4-row tile, the one a decode step's rows run through, with its pair loop in assembly: from C, gcc loaded
+ * each pair's 3 vectors into registers once for the 4 rows (3 registers the 12 sums need), spilled 2 sums, and
+ * their store-to-load chains held the screen at the float32 arg-max's speed; with the vectors as vpmaddwd's memory
+ * operands the 12 sums, the broadcast and the product fit the 16 registers. */
+static inline void tile_i16_4(const int16_t *xg, int64_t k, const __m256i *pairs, const float *d, float *sums) {
+    __m256i s00, s01, s02, s10, s11, s12, s20, s21, s22, s30, s31, s32, a, t;
+    const int16_t *x = xg;
+    const __m256i *w = pairs;
+    int64_t left = I16_PAIRS;
+    __asm__("vpxor %[s00], %[s00], %[s00]\n\t" "vpxor %[s01], %[s01], %[s01]\n\t" "vpxor %[s02], %[s02], %[s02]\n\t" "vpxor %[s10], %[s10], %[s10]\n\t" "vpxor %[s11], %[s11], %[s11]\n\t" "vpxor %[s12], %[s12], %[s12]\n\t" "vpxor %[s20], %[s20], %[s20]\n\t" "vpxor %[s21], %[s21], %[s21]\n\t" "vpxor %[s22], %[s22], %[s22]\n\t" "vpxor %[s30], %[s30], %[s30]\n\t" "vpxor %[s31], %[s31], %[s31]\n\t" "vpxor %[s32], %[s32], %[s32]\n\t" 
+            "1:\n\t"
+        "vpbroadcastd (%[x]), %[a]\n\t"
+        "vpmaddwd 0(%[w]), %[a], %[t]\n\t" "vpaddd %[t], %[s00], %[s00]\n\t"
+        "vpmaddwd 32(%[w]), %[a], %[t]\n\t" "vpaddd %[t], %[s01], %[s01]\n\t"
+        "vpmaddwd 64(%[w]), %[a], %[t]\n\t" "vpaddd %[t], %[s02], %[s02]\n\t"
+        "vpbroadcastd (%[x],%[stride]), %[a]\n\t"
+        "vpmaddwd 0(%[w]), %[a], %[t]\n\t" "vpaddd %[t], %[s10], %[s10]\n\t"
+        "vpmaddwd 32(%[w]), %[a], %[t]\n\t" "vpaddd %[t], %[s11], %[s11]\n\t"
+        "vpmaddwd 64(%[w]), %[a], %[t]\n\t" "vpaddd %[t], %[s12], %[s12]\n\t"
+        "vpbroadcastd (%[x],%[stride],2), %[a]\n\t"
+        "vpmaddwd 0(%[w]), %[a], %[t]\n\t" "vpaddd %[t], %[s20], %[s20]\n\t"
+        "vpmaddwd 32(%[w]), %[a], %[t]\n\t" "vpaddd %[t], %[s21], %[s21]\n\t"
+        "vpmaddwd 64(%[w]), %[a], %[t]\n\t" "vpaddd %[t], %[s22], %[s22]\n\t"
+        "vpbroadcastd (%[x],%[stride3]), %[a]\n\t"
+        "vpmaddwd 0(%[w]), %[a], %[t]\n\t" "vpaddd %[t], %[s30], %[s30]\n\t"
+        "vpmaddwd 32(%[w]), %[a], %[t]\n\t" "vpaddd %[t], %[s31], %[s31]\n\t"
+        "vpmaddwd 64(%[w]), %[a], %[t]\n\t" "vpaddd %[t], %[s32], %[s32]\n\t"
+        "add $4, %[x]\n\t"
+        "add $96, %[w]\n\t"
+        "dec %[left]\n\t"
+        "jnz 1b\n\t"
+        : [s00] "=&x"(s00), [s01] "=&x"(s01), [s02] "=&x"(s02), [s10] "=&x"(s10), [s11] "=&x"(s11), [s12] "=&x"(s12),
+          [s20] "=&x"(s20), [s21] "=&x"(s21), [s22] "=&x"(s22), [s30] "=&x"(s30), [s31] "=&x"(s31), [s32] "=&x"(s32),
+          [a] "=&x"(a), [t] "=&x"(t), [x] "+r"(x), [w] "+r"(w), [left] "+r"(left)
+        : [stride] "r"(2 * k), [stride3] "r"(6 * k)
+        : "cc", "memory");
+    const __m256i dot[4][3] = {{s00, s01, s02}, {s10, s11, s12}, {s20, s21, s22}, {s30, s31, s32}};
+    for (int i = 0; i < 4; ++i)
+        for (int j = 0; j < 3; ++j) {
+            float *at = sums + i * BLOCK_N + 8 * j;
+            _mm256_store_ps(at, _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[i][j]), _mm256_loadu_ps(d + 8 * j),
+                                                _mm256_load_ps(at)));
+        }
+}
+
+/* The screen over one block (24 columns from col0) for all m rows: group by group, each widened to int16 pairs
+ * once and run through every row tile (the group's pairs, the rows' x and sums all stay in L1), then each row's
+ * sums, times its step, into the screening epilogue. */
+static void screen_block_i16(const int16_t *xq, int64_t m, int64_t k, const uint8_t *block, const float *row_step,
+                             float *sums, __m256i *pairs, ScreenState *st, int64_t col0, int64_t n) {
+    memset(sums, 0, sizeof(float) * (size_t)m * BLOCK_N);
+    for (int64_t g = 0; g < k / CODES4_GROUP; ++g) {
+        const uint8_t *group = block + g * CODES8_GROUP_BYTES;
+        codes8_widen_pairs(group, pairs);
+        for (int64_t row = 0; row < m; row += TILE_M) {
+            const int16_t *xg = xq + row * k + g * CODES4_GROUP;
+#define TILE_CASE(MR)                                                                                             \
+    case MR: tile_i16_##MR(xg, k, pairs, (const float *)group, sums + row * BLOCK_N); break;
+            switch (m - row < TILE_M ? m - row : TILE_M) {
+                FOR_EACH_TILE_ROWS(TILE_CASE)
+            default: break;
+            }
+#undef TILE_CASE
+        }
+    }
+    for (int64_t r = 0; r < m; ++r) {
+        const __m256 s = _mm256_set1_ps(row_step[r]);
+        for (int j = 0; j < 3; ++j)
+            screen_store8(st, r, col0 + 8 * j, _mm256_mul_ps(_mm256_load_ps(sums + r * BLOCK_N + 8 * j), s), n);
+    }
+}
+#endif
+
+/* out_ids as folio_gemm_argmax_codes8 over the same 8-bit codes (`packed`), for 1 <= m <= CHUNK_M rows, by
+ * screening in int16 and rescoring in float32; col_abs_sum[v] >= ||w_v||_1 and w_abs_max >= max |w|. Returns 0
+ * when screened, 1 when it took the exact path (non-finite, huge or tiny rows, too many candidates), -1 when
+ * neither ran (m out of range, no memory), -2 in a library without the AVX2 body. */
+int folio_gemm_argmax_codes8_screened(const float *x, int64_t lda, const uint8_t *packed, const float *col_abs_sum,
+                                      float w_abs_max, int64_t m, int64_t n, int64_t k, int64_t *out_ids,
+                                      int num_threads) {
+#if GEMM_VEC_BITS == 256
+    if (m < 1 || m > CHUNK_M || k < CODES4_GROUP || k % CODES4_GROUP) return -1;
+    const int64_t nblocks = num_blocks(n), threads = num_threads, groups = k / CODES4_GROUP;
+    const int64_t block_bytes = groups * CODES8_GROUP_BYTES;
+    const size_t mm = (size_t)m, tt = (size_t)threads;
+    int16_t *xq = aligned_alloc(64, (sizeof(int16_t) * mm * (size_t)k + 63) & ~(size_t)63);
+    float *row_scale = malloc(sizeof(float) * mm * 3), *row_slack = row_scale + m, *row_step = row_scale + 2 * m;
+    float *threshold = malloc(sizeof(float) * tt * mm);
+    int32_t *cand_col = malloc(sizeof(int32_t) * tt * mm * SCREEN_CAP);
+    float *cand_hi = malloc(sizeof(float) * tt * mm * SCREEN_CAP);
+    int32_t *cand_count = calloc(tt * mm, sizeof(int32_t));
+    uint8_t *wanted = calloc(mm * (size_t)nblocks, 1);
+    int64_t *pairs = malloc(sizeof(int64_t) * mm * (size_t)nblocks);
+    float *best_val = malloc(sizeof(float) * tt * mm * 16);
+    int32_t *best_col = malloc(sizeof(int32_t) * tt * mm * 16);
+    int status = -1;
+    if (!xq || !row_scale || !threshold || !cand_col || !cand_hi || !cand_count || !wanted || !pairs || !best_val ||
+        !best_col)
+        goto done;
+    const double u = 0x1p-24, gk = (double)k * u / (1.0 - (double)k * u);
+    const double gg = (double)(groups + 2) * u / (1.0 - (double)(groups + 2) * u);
+    const double c = (0.51 / I16_X_MAX + gg * (1.0 + 1e-4) + gk + 4.0 * u) * 1.01;
+    int sane = screen_sane(w_abs_max);
+    for (int64_t r = 0; r < m; ++r) {
+        double amax = 0.0, total = 0.0; /* the total carries a NaN, which the max would skip */
+        for (int64_t kk = 0; kk < k; ++kk) {
+            const double v = fabs((double)x[r * lda + kk]);
+            amax = v > amax ? v : amax;
+            total += v;
+        }
+        /* a max below 2^-60 (a zero row among them) would make the step subnormal: the exact path takes it */
+        sane &= screen_sane(amax) & screen_sane(total) & (amax >= 0x1p-60);
+        const float step = (float)(amax / I16_X_MAX);
+        row_step[r] = step;
+        row_scale[r] = (float)(c * amax * (1.0 + 1e-6));
+        row_slack[r] = (float)((double)k * 0x1p-124 * (1.0 + (double)w_abs_max + amax));
+        for (int64_t kk = 0; kk < k; ++kk) {
+            double q = sane ? rint((double)x[r * lda + kk] / (double)step) : 0.0;
+            q = q > I16_X_MAX ? I16_X_MAX : (q < -I16_X_MAX ? -I16_X_MAX : q);
+            xq[r * k + kk] = (int16_t)q;
+        }
+    }
+    int overflow = !sane;
+    if (sane) {
+        for (size_t i = 0; i < tt * mm; ++i) threshold[i] = -FLT_MAX;
+#pragma omp parallel num_threads(num_threads) reduction(| : overflow)
+        {
+            const int64_t tid = omp_get_thread_num();
+            ScreenState state = {col_abs_sum,
+                                 row_scale,
+                                 row_slack,
+                                 threshold + tid * m,
+                                 cand_col + tid * m * SCREEN_CAP,
+                                 cand_hi + tid * m * SCREEN_CAP,
+                                 cand_count + tid * m,
+                                 0};
+            /* the rows' float32 sums (m x 24), then the group's int16 pairs (48 ymm) */
+            float *sums = thread_scratch(&codes8_screen_scratch, (m * BLOCK_N + I16_GROUP_VECS * 8) * 4);
+            if (sums == NULL) abort(); /* at most 26 KB per thread */
+            __m256i *group_pairs = (__m256i *)(sums + m * BLOCK_N);
+            GEMM_ITEMS
+            for (int64_t b = 0; b < nblocks; ++b)
+                screen_block_i16(xq, m, k, packed + b * block_bytes, row_step, sums, group_pairs, &state, b * BLOCK_N,
+                                 n);
+            overflow |= state.overflow;
+        }
+    }
+    if (overflow) {
+        status = folio_gemm_argmax_codes8(x, lda, packed, m, n, k, 1, out_ids, num_threads) == 0 ? 1 : -1;
+        goto done;
+    }
+    const int64_t npairs = screen_pairs(threshold, cand_col, cand_hi, cand_count, threads, m, nblocks, BLOCK_N, wanted,
+                                        pairs);
+    argmax_reset(best_val, best_col, threads * m * 16);
+#pragma omp parallel num_threads(num_threads)
+    {
+        const int64_t tid = omp_get_thread_num();
+        const Epilogue e = {NULL, 0, 0, NULL, n, best_val + tid * m * 16, best_col + tid * m * 16, NULL};
+        const NextBlock none = {NULL, NULL, 0};
+        float *wide = thread_scratch(&codes4_scratch, k * BLOCK_N * (int64_t)sizeof(float));
+        if (wide == NULL) abort();
+        int64_t widened_block = -1;
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < npairs; ++i) {
+            const int64_t b = pairs[i] / m, r = pairs[i] % m;
+            if (b != widened_block) codes8_widen_block(packed + b * block_bytes, k, wide);
+            widened_block = b;
+            tile_f32(x + r * lda, lda, wide, k, 1, &e, r, b * BLOCK_N, none, NULL);
+        }
+    }
+    argmax_merge(best_val, best_col, threads, m, out_ids);
+    status = 0;
+done:
+    free(xq);
+    free(row_scale);
+    free(threshold);
+    free(cand_col);
+    free(cand_hi);
+    free(cand_count);
+    free(wanted);
+    free(pairs);
+    free(best_val);
+    free(best_col);
+    return status;
+#else
+    (void)x, (void)lda, (void)packed, (void)col_abs_sum, (void)w_abs_max, (void)m, (void)n, (void)k, (void)out_ids;
+    (void)num_threads;
+    return -2;
+#endif
+}

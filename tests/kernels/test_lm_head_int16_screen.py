@@ -1,0 +1,145 @@
+"""The greedy LM head over 8-bit codes screened in int16 (folio/kernels/gemm_codes8_screen.h): the same token as
+the float32 arg-max, ties and near-ties included, on every tier this CPU can run.
+
+The screen has an AVX2 body: on the avx2 tier the kernel must screen (status 0) and give exactly the ids of the
+8-bit codes' float32 arg-max (folio_gemm_argmax_codes8), of the float32 layout's (folio_gemm_argmax_f32) and of
+torch.argmax over the float32 GEMM's logits; on the other tiers the library says it has no screen (-2). Rows the
+bound cannot cover (NaN, inf, huge or all-zero rows) and candidate lists that overflow take the exact path (1).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import quantize
+
+from folio.kernels.cpu_build import load_kernel_library
+from folio.kernels.cpu_gemm import Codes8Head, CpuGemm
+from folio.kernels.isa import IsaTier
+from folio.model.gguf_dequant import dequantize_to_float32
+
+
+@functools.cache
+def _gemm(tier: IsaTier) -> CpuGemm:
+    lib = load_kernel_library("cpu_kernels", tier)
+    assert lib is not None, "the GEMM must build here (gcc is part of this machine and of CI)"
+    return CpuGemm(lib)
+
+
+def _q8_0_weight(n: int, k: int, seed: int, scale: float = 1.0) -> torch.Tensor:
+    """A float32 [n, k] weight as a GGUF's Q8_0 tensor dequantizes (an int8 code times a float16 step per 32)."""
+    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32) * scale
+    raw = quantize(w, GGMLQuantizationType.Q8_0)
+    return dequantize_to_float32(raw, GGMLQuantizationType.Q8_0, (n, k)).contiguous()
+
+
+def _head(gemm: CpuGemm, w: torch.Tensor) -> Codes8Head:
+    head = gemm.pack_codes8(w)
+    assert head is not None, "an exact Q8_0 weight must be kept as codes"
+    return head
+
+
+def _expect(gemm: CpuGemm, tier: IsaTier, x: torch.Tensor, w: torch.Tensor, status: int = 0) -> torch.Tensor:
+    """Screened ids == the codes' float32 arg-max == the float32 layout's == torch.argmax of the float32 GEMM's
+    logits (first of equals, where a row has a finite logit); the status is `status` on avx2, -2 elsewhere."""
+    head = _head(gemm, w)
+    got, got_status = gemm.argmax_codes8_screened(x, head)
+    if tier != IsaTier.AVX2:
+        assert got_status == -2 and got is None
+        return torch.empty(0)
+    assert got_status == status and got is not None
+    [plain] = gemm.pack_all([w])
+    assert torch.equal(got, gemm.argmax(x, plain))
+    assert torch.equal(got, gemm.argmax_codes8(x, head))
+    logits = gemm.linear(x, plain, None, out_dtype=torch.float32).nan_to_num(nan=-float("inf"))
+    if logits.isfinite().any(dim=1).all():
+        assert torch.equal(got, logits.argmax(dim=1))
+    return got
+
+
+@pytest.mark.parametrize(
+    ("m", "n", "k"),
+    [(1, 49, 32), (2, 1001, 64), (3, 100, 96), (5, 4801, 576), (7, 3001, 160), (64, 4801, 576), (256, 97, 64)],
+)
+def test_screened_ids_are_the_float32_ids(cpu_tier: IsaTier, m: int, n: int, k: int) -> None:
+    """Every row tile (4 rows in assembly, 1-3 in C), blocks with a tail of columns, one group of k and many."""
+    w = _q8_0_weight(n, k, seed=m * n + k, scale=0.05)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(k)) * 3.0
+    _expect(_gemm(cpu_tier), cpu_tier, x, w)
+
+
+def test_rounding_x_to_int16_cannot_hide_the_winner(cpu_tier: IsaTier) -> None:
+    """Column A (5) gets x_1 = 10.51 steps times 127/128, column B (100) x_2 = 11.4 steps times 120/128: float32
+    says B (10.7 steps against 10.4), but both x round to 11 steps, so the screen's sums say A (11 x 127/128 against
+    11 x 120/128). Only the bound's term for rounding x keeps B a candidate; without it the kernel returns A."""
+    k, n = 32, 240
+    w = torch.zeros(n, k)
+    w[:, 3] = 127 / 128  # every column holds a full code where x is 0: each group's step is exactly 2^-7
+    w[:, 0] = -torch.arange(1, n + 1, dtype=torch.float32).remainder(127).add(1) / 128  # the others: below 0
+    w[5, 0], w[100, 0] = 0.0, 0.0
+    w[5, 1], w[100, 2] = 127 / 128, 120 / 128
+    step = float(torch.tensor(1.0) / 32767)
+    x = torch.zeros(5, k)
+    x[:, 0] = 1.0  # the row's largest magnitude: its step is 1 / 32767
+    x[:, 1], x[:, 2] = 10.51 * step, 11.4 * step
+    x[2:4, 0] = -1.0  # rows 2 and 3: the negative columns win instead
+    ids = _expect(_gemm(cpu_tier), cpu_tier, x, w)
+    if cpu_tier == IsaTier.AVX2:
+        assert ids[0].item() == ids[1].item() == ids[4].item() == 100  # the 4-row tile (rows 0-3) and the 1-row one
+
+
+def test_ties_pick_the_first_column_across_blocks_and_threads(cpu_tier: IsaTier) -> None:
+    w = _q8_0_weight(3000, 96, seed=1, scale=0.05)
+    w[2950] = w[5]  # identical rows in the first and the last block: equal float32 logits
+    w[1500] = w[5]
+    x = torch.stack([w[5] * 40.0, w[2950] * 40.0 + torch.randn(96) * 1e-3, w[1500] * 40.0, -w[5]])
+    ids = _expect(_gemm(cpu_tier), cpu_tier, x, w)
+    if cpu_tier == IsaTier.AVX2:
+        assert ids[0].item() == ids[2].item() == 5
+
+
+def test_zero_rows_and_overflowing_candidates_take_the_exact_path(cpu_tier: IsaTier) -> None:
+    gemm = _gemm(cpu_tier)
+    ids = _expect(gemm, cpu_tier, torch.zeros(3, 64), _q8_0_weight(1000, 64, seed=4), status=1)
+    assert ids.numel() == 0 or ids.tolist() == [0, 0, 0]
+    # 5000 equal columns: every one is a candidate, more than the slots hold
+    w = _q8_0_weight(1, 64, seed=5).expand(5000, 64).contiguous()
+    ids = _expect(gemm, cpu_tier, torch.randn(2, 64), w, status=1)
+    assert ids.numel() == 0 or ids.tolist() == [0, 0]
+
+
+@pytest.mark.parametrize(
+    ("fill", "status"),
+    [(float("nan"), 1), (float("inf"), 1), (1e35, 1), (1e-40, 0)],  # 1e-40 is subnormal: an ordinary row
+    ids=["nan", "inf", "huge", "subnormal"],
+)
+def test_extreme_rows(cpu_tier: IsaTier, fill: float, status: int) -> None:
+    w = _q8_0_weight(700, 32, seed=6, scale=0.1)
+    x = torch.randn(5, 32, generator=torch.Generator().manual_seed(7))
+    x[1, 3] = fill
+    _expect(_gemm(cpu_tier), cpu_tier, x, w, status=status)
+
+
+def test_the_bounds_are_the_float64_ones_rounded_up() -> None:
+    """Row L1 norms summed in float64 a slice of rows at a time, over more rows than one slice, and the largest
+    magnitude (a negative entry here)."""
+    w = _q8_0_weight(9000, 64, seed=8)
+    w[7000, :32] = 0.0
+    w[7000, 5] = -200.0  # a group of one code: exactly -200 = -127 x (200 / 127)
+    head = _head(_gemm(IsaTier.GENERIC), w)
+    wide = w.double()
+    assert torch.equal(head.col_abs_sum, (wide.abs().sum(dim=1) * (1 + 1e-6)).float())
+    assert head.w_abs_max == 200.0 * (1 + 1e-6)
+
+
+def test_more_rows_than_a_chunk_is_not_run(cpu_tier: IsaTier) -> None:
+    gemm = _gemm(cpu_tier)
+    head = _head(gemm, _q8_0_weight(100, 32, seed=9))
+    got, status = gemm.argmax_codes8_screened(torch.randn(257, 32), head)
+    assert got is None and status == (-1 if cpu_tier == IsaTier.AVX2 else -2)
+    got, status = gemm.argmax_codes8_screened(torch.randn(3, 32).bfloat16(), head)
+    assert got is None and status == -1
