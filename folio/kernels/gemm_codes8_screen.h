@@ -40,82 +40,68 @@ static inline void codes8_widen_pairs(const uint8_t *group, __m256i *dst) {
     }
 }
 
-/* One group of one screening tile: MR rows of int16 x (from xg, row stride k) x the group's 24 columns. MR x 3
- * exact int32 sums in registers (the pairs' vectors read from L1 as operands: 12 sums, a broadcast and a product
- * of 16 registers), then converted and added with the group's steps d into the rows' float32 sums in L1. */
+/* One group of one screening tile: MR rows of int16 x (xg: the group's 32 x of each row, rows 32 apart) x the
+ * group's 24 columns. MR x 3 exact int32 sums, then converted and added with the group's steps d into the rows'
+ * float32 sums in L1 (sums: rows BLOCK_N apart). */
+static inline void tile_i16_sums(const __m256i *dot, int rows, const float *d, float *sums) {
+    for (int i = 0; i < rows; ++i)
+        for (int j = 0; j < 3; ++j) {
+            float *at = sums + i * BLOCK_N + 8 * j;
+            _mm256_store_ps(at, _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[3 * i + j]), _mm256_loadu_ps(d + 8 * j),
+                                                _mm256_load_ps(at)));
+        }
+}
+
 #define DEFINE_TILE_I16(MR)                                                                                       \
-    static inline void tile_i16_##MR(const int16_t *xg, int64_t k, const __m256i *pairs, const float *d,         \
-                                     float *sums) {                                                               \
-        __m256i dot[MR][3];                                                                                       \
-        _Pragma("GCC unroll 8") for (int i = 0; i < MR; ++i) dot[i][0] = dot[i][1] = dot[i][2] =                  \
-            _mm256_setzero_si256();                                                                               \
+    static inline void tile_i16_##MR(const int16_t *xg, const __m256i *pairs, const float *d, float *sums) {      \
+        __m256i dot[MR * 3];                                                                                      \
+        for (int i = 0; i < MR * 3; ++i) dot[i] = _mm256_setzero_si256();                                         \
         _Pragma("GCC unroll 2") for (int p = 0; p < I16_PAIRS; ++p) {                                             \
             _Pragma("GCC unroll 8") for (int i = 0; i < MR; ++i) {                                                \
                 int32_t pair;                                                                                     \
-                memcpy(&pair, xg + i * k + 2 * p, sizeof pair);                                                   \
+                memcpy(&pair, xg + i * CODES4_GROUP + 2 * p, sizeof pair);                                        \
                 const __m256i a = _mm256_set1_epi32(pair);                                                        \
                 for (int j = 0; j < 3; ++j)                                                                       \
-                    dot[i][j] = _mm256_add_epi32(dot[i][j], _mm256_madd_epi16(a, pairs[3 * p + j]));              \
+                    dot[3 * i + j] = _mm256_add_epi32(dot[3 * i + j], _mm256_madd_epi16(a, pairs[3 * p + j]));    \
             }                                                                                                     \
         }                                                                                                         \
-        _Pragma("GCC unroll 8") for (int i = 0; i < MR; ++i) for (int j = 0; j < 3; ++j) {                        \
-            float *at = sums + i * BLOCK_N + 8 * j;                                                               \
-            _mm256_store_ps(at, _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[i][j]), _mm256_loadu_ps(d + 8 * j),        \
-                                                _mm256_load_ps(at)));                                             \
-        }                                                                                                         \
+        tile_i16_sums(dot, MR, d, sums);                                                                          \
     }
 DEFINE_TILE_I16(3)
 DEFINE_TILE_I16(2)
 DEFINE_TILE_I16(1)
 
-/* The 4-row tile, the one a decode step's rows run through, with its pair loop in assembly: from C, gcc loaded
- * each pair's 3 vectors into registers once for the 4 rows (3 registers the 12 sums need), spilled 2 sums, and
- * their store-to-load chains held the screen at the float32 arg-max's speed; with the vectors as vpmaddwd's memory
- * operands the 12 sums, the broadcast and the product fit the 16 registers. */
-static inline void tile_i16_4(const int16_t *xg, int64_t k, const __m256i *pairs, const float *d, float *sums) {
-    __m256i s00, s01, s02, s10, s11, s12, s20, s21, s22, s30, s31, s32, a, t;
-    const int16_t *x = xg;
-    const __m256i *w = pairs;
-    int64_t left = I16_PAIRS;
-    __asm__("vpxor %[s00], %[s00], %[s00]\n\t" "vpxor %[s01], %[s01], %[s01]\n\t" "vpxor %[s02], %[s02], %[s02]\n\t" "vpxor %[s10], %[s10], %[s10]\n\t" "vpxor %[s11], %[s11], %[s11]\n\t" "vpxor %[s12], %[s12], %[s12]\n\t" "vpxor %[s20], %[s20], %[s20]\n\t" "vpxor %[s21], %[s21], %[s21]\n\t" "vpxor %[s22], %[s22], %[s22]\n\t" "vpxor %[s30], %[s30], %[s30]\n\t" "vpxor %[s31], %[s31], %[s31]\n\t" "vpxor %[s32], %[s32], %[s32]\n\t" 
-            "1:\n\t"
-        "vpbroadcastd (%[x]), %[a]\n\t"
-        "vpmaddwd 0(%[w]), %[a], %[t]\n\t" "vpaddd %[t], %[s00], %[s00]\n\t"
-        "vpmaddwd 32(%[w]), %[a], %[t]\n\t" "vpaddd %[t], %[s01], %[s01]\n\t"
-        "vpmaddwd 64(%[w]), %[a], %[t]\n\t" "vpaddd %[t], %[s02], %[s02]\n\t"
-        "vpbroadcastd (%[x],%[stride]), %[a]\n\t"
-        "vpmaddwd 0(%[w]), %[a], %[t]\n\t" "vpaddd %[t], %[s10], %[s10]\n\t"
-        "vpmaddwd 32(%[w]), %[a], %[t]\n\t" "vpaddd %[t], %[s11], %[s11]\n\t"
-        "vpmaddwd 64(%[w]), %[a], %[t]\n\t" "vpaddd %[t], %[s12], %[s12]\n\t"
-        "vpbroadcastd (%[x],%[stride],2), %[a]\n\t"
-        "vpmaddwd 0(%[w]), %[a], %[t]\n\t" "vpaddd %[t], %[s20], %[s20]\n\t"
-        "vpmaddwd 32(%[w]), %[a], %[t]\n\t" "vpaddd %[t], %[s21], %[s21]\n\t"
-        "vpmaddwd 64(%[w]), %[a], %[t]\n\t" "vpaddd %[t], %[s22], %[s22]\n\t"
-        "vpbroadcastd (%[x],%[stride3]), %[a]\n\t"
-        "vpmaddwd 0(%[w]), %[a], %[t]\n\t" "vpaddd %[t], %[s30], %[s30]\n\t"
-        "vpmaddwd 32(%[w]), %[a], %[t]\n\t" "vpaddd %[t], %[s31], %[s31]\n\t"
-        "vpmaddwd 64(%[w]), %[a], %[t]\n\t" "vpaddd %[t], %[s32], %[s32]\n\t"
-        "add $4, %[x]\n\t"
-        "add $96, %[w]\n\t"
-        "dec %[left]\n\t"
-        "jnz 1b\n\t"
-        : [s00] "=&x"(s00), [s01] "=&x"(s01), [s02] "=&x"(s02), [s10] "=&x"(s10), [s11] "=&x"(s11), [s12] "=&x"(s12),
-          [s20] "=&x"(s20), [s21] "=&x"(s21), [s22] "=&x"(s22), [s30] "=&x"(s30), [s31] "=&x"(s31), [s32] "=&x"(s32),
-          [a] "=&x"(a), [t] "=&x"(t), [x] "+r"(x), [w] "+r"(w), [left] "+r"(left)
-        : [stride] "r"(2 * k), [stride3] "r"(6 * k)
-        : "cc", "memory");
-    const __m256i dot[4][3] = {{s00, s01, s02}, {s10, s11, s12}, {s20, s21, s22}, {s30, s31, s32}};
-    for (int i = 0; i < 4; ++i)
-        for (int j = 0; j < 3; ++j) {
-            float *at = sums + i * BLOCK_N + 8 * j;
-            _mm256_store_ps(at, _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[i][j]), _mm256_loadu_ps(d + 8 * j),
-                                                _mm256_load_ps(at)));
-        }
+/* The 4-row tile, the one a decode step's rows run through, in assembly: from C, gcc loaded each pair's 3 vectors
+ * into registers once for the 4 rows (3 registers the 12 sums need), spilled 2 sums, and their store-to-load chains
+ * held the screen at the float32 arg-max's speed. Here the vectors are vpmaddwd's memory operands (12 sums, the
+ * broadcast and the product in the 16 registers), and the 16 pairs are unrolled with constant offsets (the
+ * assembler adds them up): row i's x pair p at 4p + 64i, vector j of pair p at 96p + 32j. The first pair's
+ * products are the sums, the others' are added to them. */
+#define I16_MADD_SET(w_off, sum) "vpmaddwd " w_off "(%[w]), %[a], %[" sum "]\n\t"
+#define I16_MADD_ADD(w_off, sum) "vpmaddwd " w_off "(%[w]), %[a], %[t]\n\t" "vpaddd %[t], %[" sum "], %[" sum "]\n\t"
+#define I16_ROW(MADD, p, i)                                                                                       \
+    "vpbroadcastd 4*" #p "+64*" #i "(%[x]), %[a]\n\t" MADD("96*" #p, "s" #i "0") MADD("96*" #p "+32", "s" #i "1") \
+        MADD("96*" #p "+64", "s" #i "2")
+#define I16_PAIR(MADD, p) I16_ROW(MADD, p, 0) I16_ROW(MADD, p, 1) I16_ROW(MADD, p, 2) I16_ROW(MADD, p, 3)
+#define I16_ADD_PAIR(p) I16_PAIR(I16_MADD_ADD, p)
+
+static inline void tile_i16_4(const int16_t *xg, const __m256i *pairs, const float *d, float *sums) {
+    __m256i dot[12], a, t;
+    __asm__(I16_PAIR(I16_MADD_SET, 0) I16_ADD_PAIR(1) I16_ADD_PAIR(2) I16_ADD_PAIR(3) I16_ADD_PAIR(4) I16_ADD_PAIR(5)
+                I16_ADD_PAIR(6) I16_ADD_PAIR(7) I16_ADD_PAIR(8) I16_ADD_PAIR(9) I16_ADD_PAIR(10) I16_ADD_PAIR(11)
+                    I16_ADD_PAIR(12) I16_ADD_PAIR(13) I16_ADD_PAIR(14) I16_ADD_PAIR(15)
+            : [s00] "=&x"(dot[0]), [s01] "=&x"(dot[1]), [s02] "=&x"(dot[2]), [s10] "=&x"(dot[3]),
+              [s11] "=&x"(dot[4]), [s12] "=&x"(dot[5]), [s20] "=&x"(dot[6]), [s21] "=&x"(dot[7]),
+              [s22] "=&x"(dot[8]), [s30] "=&x"(dot[9]), [s31] "=&x"(dot[10]), [s32] "=&x"(dot[11]), [a] "=&x"(a),
+              [t] "=&x"(t)
+            : [x] "r"(xg), [w] "r"(pairs), "m"(*(const int16_t(*)[4 * CODES4_GROUP])xg),
+              "m"(*(const __m256i(*)[I16_GROUP_VECS])pairs));
+    tile_i16_sums(dot, 4, d, sums);
 }
 
 /* The screen over one block (24 columns from col0) for all m rows: group by group, each widened to int16 pairs
  * once and run through every row tile (the group's pairs, the rows' x and sums all stay in L1), then each row's
- * sums, times its step, into the screening epilogue. */
+ * sums, times its step, into the screening epilogue. xq: [group][row][32]. */
 static void screen_block_i16(const int16_t *xq, int64_t m, int64_t k, const uint8_t *block, const float *row_step,
                              float *sums, __m256i *pairs, ScreenState *st, int64_t col0, int64_t n) {
     memset(sums, 0, sizeof(float) * (size_t)m * BLOCK_N);
@@ -123,9 +109,9 @@ static void screen_block_i16(const int16_t *xq, int64_t m, int64_t k, const uint
         const uint8_t *group = block + g * CODES8_GROUP_BYTES;
         codes8_widen_pairs(group, pairs);
         for (int64_t row = 0; row < m; row += TILE_M) {
-            const int16_t *xg = xq + row * k + g * CODES4_GROUP;
+            const int16_t *xg = xq + (g * m + row) * CODES4_GROUP;
 #define TILE_CASE(MR)                                                                                             \
-    case MR: tile_i16_##MR(xg, k, pairs, (const float *)group, sums + row * BLOCK_N); break;
+    case MR: tile_i16_##MR(xg, pairs, (const float *)group, sums + row * BLOCK_N); break;
             switch (m - row < TILE_M ? m - row : TILE_M) {
                 FOR_EACH_TILE_ROWS(TILE_CASE)
             default: break;
@@ -135,8 +121,10 @@ static void screen_block_i16(const int16_t *xq, int64_t m, int64_t k, const uint
     }
     for (int64_t r = 0; r < m; ++r) {
         const __m256 s = _mm256_set1_ps(row_step[r]);
-        for (int j = 0; j < 3; ++j)
-            screen_store8(st, r, col0 + 8 * j, _mm256_mul_ps(_mm256_load_ps(sums + r * BLOCK_N + 8 * j), s), n);
+        const float *at = sums + r * BLOCK_N;
+        const __m256 acc[3] = {_mm256_mul_ps(_mm256_load_ps(at), s), _mm256_mul_ps(_mm256_load_ps(at + 8), s),
+                               _mm256_mul_ps(_mm256_load_ps(at + 16), s)};
+        screen_store24(st, r, col0, acc, n);
     }
 }
 #endif
@@ -187,7 +175,7 @@ int folio_gemm_argmax_codes8_screened(const float *x, int64_t lda, const uint8_t
         for (int64_t kk = 0; kk < k; ++kk) {
             double q = sane ? rint((double)x[r * lda + kk] / (double)step) : 0.0;
             q = q > I16_X_MAX ? I16_X_MAX : (q < -I16_X_MAX ? -I16_X_MAX : q);
-            xq[r * k + kk] = (int16_t)q;
+            xq[((kk / CODES4_GROUP) * m + r) * CODES4_GROUP + kk % CODES4_GROUP] = (int16_t)q;
         }
     }
     int overflow = !sane;

@@ -63,28 +63,38 @@ static void screen_store16(ScreenState *s, int64_t row, int64_t col, __m512 acc,
 #endif
 
 #if GEMM_VEC_BITS == 256
-/* screen_store16 for 8 columns [col, col + 8) of one row (AVX2: no compress store; a kept column is rare). */
-static void screen_store8(ScreenState *s, int64_t row, int64_t col, __m256 acc, int64_t n) {
+/* screen_store16 for a block's 24 columns [col, col + 24) of one row, acc[j] holding columns col + 8j .. + 7
+ * (AVX2: no compress store; a kept column is rare). */
+static void screen_store24(ScreenState *s, int64_t row, int64_t col, const __m256 acc[3], int64_t n) {
     if (col >= n) return;
-    const int valid = n - col < 8 ? (int)(n - col) : 8;
-    const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(valid), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-    const __m256 b = _mm256_fmadd_ps(_mm256_set1_ps(s->row_scale[row]), _mm256_maskload_ps(s->w_norm + col, mask),
-                                     _mm256_set1_ps(s->row_slack[row]));
-    const __m256 lo = _mm256_blendv_ps(_mm256_set1_ps(-FLT_MAX), _mm256_sub_ps(acc, b), _mm256_castsi256_ps(mask));
-    const __m256 hi = _mm256_add_ps(acc, b);
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(lo), _mm256_extractf128_ps(lo, 1));
+    const __m256 scale = _mm256_set1_ps(s->row_scale[row]), slack = _mm256_set1_ps(s->row_slack[row]);
+    const __m256 lowest = _mm256_set1_ps(-FLT_MAX);
+    const int64_t valid = n - col < 24 ? n - col : 24;
+    const uint32_t valid_bits = (uint32_t)((1ull << valid) - 1u);
+    __m256 hi[3], lo_max = lowest;
+    for (int j = 0; j < 3; ++j) {
+        const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32((int32_t)(valid - 8 * j)),
+                                                _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        const __m256 b = _mm256_fmadd_ps(scale, _mm256_maskload_ps(s->w_norm + col + 8 * j, mask), slack);
+        lo_max = _mm256_max_ps(lo_max, _mm256_blendv_ps(lowest, _mm256_sub_ps(acc[j], b), _mm256_castsi256_ps(mask)));
+        hi[j] = _mm256_add_ps(acc[j], b);
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(lo_max), _mm256_extractf128_ps(lo_max, 1));
     m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    const float lo_max = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
-    if (lo_max > s->threshold[row]) s->threshold[row] = lo_max;
-    unsigned keep = (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(hi, _mm256_set1_ps(s->threshold[row]), _CMP_GE_OQ)) &
-                    ((1u << valid) - 1u);
+    const float row_max = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+    if (row_max > s->threshold[row]) s->threshold[row] = row_max;
+    const __m256 t = _mm256_set1_ps(s->threshold[row]);
+    uint32_t keep = 0;
+    for (int j = 0; j < 3; ++j)
+        keep |= (uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(hi[j], t, _CMP_GE_OQ)) << (8 * j);
+    keep &= valid_bits;
     if (keep == 0) return;
-    if (s->cand_count[row] + 8 > SCREEN_CAP && screen_compact(s, row) + 8 > SCREEN_CAP) {
+    if (s->cand_count[row] + 24 > SCREEN_CAP && screen_compact(s, row) + 24 > SCREEN_CAP) {
         s->overflow = 1;
         return;
     }
-    float his[8];
-    _mm256_storeu_ps(his, hi);
+    float his[24];
+    for (int j = 0; j < 3; ++j) _mm256_storeu_ps(his + 8 * j, hi[j]);
     const int64_t at = row * SCREEN_CAP + s->cand_count[row];
     int32_t kept = 0;
     for (; keep != 0; keep &= keep - 1) {
