@@ -390,5 +390,5 @@ FOR_EACH_TILE_ROWS(DEFINE_TILE_BF16)
 
 #include "gemm_codes4.h"
 #include "gemm_codes8_argmax.h"
-#include "gemm_codes8_screen.h"
 #include "gemm_argmax_screen.h"
+#include "gemm_codes8_screen.h"

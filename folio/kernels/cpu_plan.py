@@ -32,7 +32,7 @@ FOLIO_MIN_TIER: dict[str, IsaTier] = {
     # vdpbf16ps, twice the float32 FMA's work per instruction; widened bfloat16 does the float32 FMA's work
     "lm_head_bf16_screen": IsaTier.AVX512_BF16,
     # a float32 greedy LM head kept as 8-bit codes (a GGUF's Q8_0), screened in int16 (vpmaddwd) and rescored in
-    # float32 (gemm_codes8_screen.h): AVX2 bodies only, so the AVX2 tier only (below LM_HEAD_INT16_SCREEN_MAX_TIER)
+    # float32 (gemm_codes8_screen.h): an AVX2 body only, so from AVX2 up to LM_HEAD_INT16_SCREEN_MAX_TIER (AVX2)
     "lm_head_int16_screen": IsaTier.AVX2,
     # whole KV blocks between the tiers and for copy-on-write: libc's memcpy per block run, vectorised by libc on
     # every tier; 1.9-2.4x the speed of ATen's gather-then-scatter (benchmarks/kv_block_copy.py)

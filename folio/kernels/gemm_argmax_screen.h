@@ -22,6 +22,41 @@
  *   The bound is enlarged by 0.1% for the float32 rounding of b and S +- b, far below it: |S| <= (1 + c) A.
  * Rows with a non-finite or huge norm, and candidate lists that overflow, take the exact path instead. */
 
+#if (GEMM_VEC_BITS == 512 && defined(__AVX512BF16__)) || GEMM_VEC_BITS == 256 /* where a screen runs */
+/* A screen's rescore (both screens'): each (block, row) pair's float32 tile over packed_f32's block or, where
+ * packed_f32 is NULL, over codes8's block widened into the thread's float32 block (once per run of a block's
+ * pairs: the pairs are block-major); then each row's arg-max into out_ids. The float32 tiles' values, so the
+ * float32 arg-max's token. */
+static void screen_rescore(const float *x, int64_t lda, const float *packed_f32, const uint8_t *codes8,
+                           const ScreenBuffers *buf, int64_t npairs, int64_t m, int64_t n, int64_t k, int num_threads,
+                           int64_t *out_ids) {
+    argmax_reset(buf->best_val, buf->best_col, num_threads * m * 16);
+#pragma omp parallel num_threads(num_threads)
+    {
+        const int64_t tid = omp_get_thread_num();
+        const Epilogue e = {NULL, 0, 0, NULL, n, buf->best_val + tid * m * 16, buf->best_col + tid * m * 16, NULL};
+        const NextBlock none = {NULL, NULL, 0};
+        float *wide = NULL;
+        if (packed_f32 == NULL && (wide = thread_scratch(&codes4_scratch, k * BLOCK_N * (int64_t)sizeof(float))) == NULL)
+            abort(); /* a few hundred KB per thread, once */
+        int64_t widened_block = -1;
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < npairs; ++i) {
+            const int64_t b = buf->pairs[i] / m, r = buf->pairs[i] % m;
+            const float *block = wide;
+            if (packed_f32 != NULL) {
+                block = packed_f32 + b * k * BLOCK_N;
+            } else if (b != widened_block) {
+                codes8_widen_block(codes8 + b * (k / CODES4_GROUP) * CODES8_GROUP_BYTES, k, wide);
+                widened_block = b;
+            }
+            tile_f32(x + r * lda, lda, block, k, 1, &e, r, b * BLOCK_N, none, NULL);
+        }
+    }
+    argmax_merge(buf->best_val, buf->best_col, num_threads, m, out_ids);
+}
+#endif
+
 /* out_ids as folio_gemm_argmax_f32(x, lda, packed_f32, ...), computed by screening with packed_bf16 (the same
  * weight packed for bfloat16, K even) and rescoring in float32. w_norm[v] >= ||w_v||_2 and w_abs_max >= max |w|.
  * Returns 0 when screened, 1 when it took the exact path (non-finite or huge inputs, too many candidates),
@@ -32,21 +67,14 @@ int folio_gemm_argmax_screened_f32(const float *x, int64_t lda, const float *pac
 #if GEMM_VEC_BITS == 512 && defined(__AVX512BF16__)
     if (m > CHUNK_M || (k & 1)) return -1;
     const int64_t nblocks = num_blocks(n), threads = num_threads;
-    const size_t mm = (size_t)m, tt = (size_t)threads;
-    uint16_t *xb = malloc(sizeof(uint16_t) * mm * (size_t)k);
-    float *row_scale = malloc(sizeof(float) * mm * 2), *row_slack = row_scale + m;
-    float *threshold = malloc(sizeof(float) * tt * mm);
-    int32_t *cand_col = malloc(sizeof(int32_t) * tt * mm * SCREEN_CAP);
-    float *cand_hi = malloc(sizeof(float) * tt * mm * SCREEN_CAP);
-    int32_t *cand_count = calloc(tt * mm, sizeof(int32_t));
-    uint8_t *wanted = calloc(mm * (size_t)nblocks, 1); /* [row][block]: rescore this block for this row */
-    int64_t *pairs = malloc(sizeof(int64_t) * mm * (size_t)nblocks);
-    float *best_val = malloc(sizeof(float) * tt * mm * 16);
-    int32_t *best_col = malloc(sizeof(int32_t) * tt * mm * 16);
+    uint16_t *xb = malloc(sizeof(uint16_t) * (size_t)m * (size_t)k);
+    ScreenBuffers buf;
+    if (xb == NULL || screen_buffers_alloc(&buf, threads, m, nblocks) != 0) {
+        free(xb);
+        return -1;
+    }
     int status = -1;
-    if (!xb || !row_scale || !threshold || !cand_col || !cand_hi || !cand_count || !wanted || !pairs || !best_val ||
-        !best_col)
-        goto done;
+    float *row_scale = buf.row_scale, *row_slack = buf.row_slack;
     /* the bound's factor c (see the top of this file), enlarged 0.1%; norms in double, then rounded up */
     const double u = 0x1p-24, h = 0x1p-8, g = (double)k * u / (1.0 - (double)k * u);
     const double c = (g * (1.0 + (1.0 + h) * (1.0 + h)) + 2.0 * h + h * h) * 1.001;
@@ -66,18 +94,9 @@ int folio_gemm_argmax_screened_f32(const float *x, int64_t lda, const float *pac
     }
     int overflow = !sane;
     if (sane) {
-        for (size_t i = 0; i < tt * mm; ++i) threshold[i] = -FLT_MAX;
 #pragma omp parallel num_threads(num_threads) reduction(| : overflow)
         {
-            const int64_t tid = omp_get_thread_num();
-            ScreenState state = {w_norm,
-                                 row_scale,
-                                 row_slack,
-                                 threshold + tid * m,
-                                 cand_col + tid * m * SCREEN_CAP,
-                                 cand_hi + tid * m * SCREEN_CAP,
-                                 cand_count + tid * m,
-                                 0};
+            ScreenState state = screen_state(&buf, w_norm, omp_get_thread_num(), m);
             const Epilogue e = {NULL, 0, 0, NULL, n, NULL, NULL, &state};
             const int64_t block_elems = k * BLOCK_N, ntiles = (m + BF16_TILE_M - 1) / BF16_TILE_M;
             AMX_FORGET();
@@ -98,34 +117,12 @@ int folio_gemm_argmax_screened_f32(const float *x, int64_t lda, const float *pac
         goto done;
     }
     /* the blocks holding a candidate of each row: S + b at or above the row's threshold over all threads */
-    const int64_t npairs = screen_pairs(threshold, cand_col, cand_hi, cand_count, threads, m, nblocks, BLOCK_N, wanted,
-                                        pairs);
-    argmax_reset(best_val, best_col, threads * m * 16);
-#pragma omp parallel num_threads(num_threads)
-    {
-        const int64_t tid = omp_get_thread_num();
-        const Epilogue e = {NULL, 0, 0, NULL, n, best_val + tid * m * 16, best_col + tid * m * 16, NULL};
-        const int64_t block_elems = k * BLOCK_N;
-        const NextBlock none = {NULL, NULL, 0};
-#pragma omp for schedule(static)
-        for (int64_t i = 0; i < npairs; ++i) {
-            const int64_t b = pairs[i] / m, r = pairs[i] % m;
-            tile_f32(x + r * lda, lda, packed_f32 + b * block_elems, k, 1, &e, r, b * BLOCK_N, none, NULL);
-        }
-    }
-    argmax_merge(best_val, best_col, threads, m, out_ids);
+    screen_rescore(x, lda, packed_f32, NULL, &buf, screen_pairs(&buf, threads, m, nblocks, BLOCK_N), m, n, k,
+                   num_threads, out_ids);
     status = 0;
 done:
     free(xb);
-    free(row_scale);
-    free(threshold);
-    free(cand_col);
-    free(cand_hi);
-    free(cand_count);
-    free(wanted);
-    free(pairs);
-    free(best_val);
-    free(best_col);
+    screen_buffers_free(&buf);
     return status;
 #else
     (void)x, (void)lda, (void)packed_f32, (void)packed_bf16, (void)w_norm, (void)w_abs_max, (void)m, (void)n, (void)k;

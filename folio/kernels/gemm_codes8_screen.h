@@ -1,5 +1,5 @@
 /* The greedy LM head over 8-bit codes, screened in int16 on AVX2 (included by cpu_gemm.c after
- * gemm_codes8_argmax.h, whose layout, widening and exact arg-max it uses).
+ * gemm_codes8_argmax.h, whose layout, widening and exact arg-max it uses, and gemm_argmax_screen.h's rescore).
  *
  * Why: AVX2 has no vdpbf16ps, but vpmaddwd multiplies 16 int16 pairs into 8 int32 lanes: with its vpaddd, 1.6x the
  * float32 FMA's multiply-adds per second on Zen 3 (2 cores of an AMD EPYC, avx2). A Q8_0 head's weights are int8
@@ -140,21 +140,14 @@ int folio_gemm_argmax_codes8_screened(const float *x, int64_t lda, const uint8_t
     if (m < 1 || m > CHUNK_M || k < CODES4_GROUP || k % CODES4_GROUP) return -1;
     const int64_t nblocks = num_blocks(n), threads = num_threads, groups = k / CODES4_GROUP;
     const int64_t block_bytes = groups * CODES8_GROUP_BYTES;
-    const size_t mm = (size_t)m, tt = (size_t)threads;
-    int16_t *xq = aligned_alloc(64, (sizeof(int16_t) * mm * (size_t)k + 63) & ~(size_t)63);
-    float *row_scale = malloc(sizeof(float) * mm * 3), *row_slack = row_scale + m, *row_step = row_scale + 2 * m;
-    float *threshold = malloc(sizeof(float) * tt * mm);
-    int32_t *cand_col = malloc(sizeof(int32_t) * tt * mm * SCREEN_CAP);
-    float *cand_hi = malloc(sizeof(float) * tt * mm * SCREEN_CAP);
-    int32_t *cand_count = calloc(tt * mm, sizeof(int32_t));
-    uint8_t *wanted = calloc(mm * (size_t)nblocks, 1);
-    int64_t *pairs = malloc(sizeof(int64_t) * mm * (size_t)nblocks);
-    float *best_val = malloc(sizeof(float) * tt * mm * 16);
-    int32_t *best_col = malloc(sizeof(int32_t) * tt * mm * 16);
+    int16_t *xq = aligned_alloc(64, (sizeof(int16_t) * (size_t)(m * k) + 63) & ~(size_t)63);
+    ScreenBuffers buf;
+    if (xq == NULL || screen_buffers_alloc(&buf, threads, m, nblocks) != 0) {
+        free(xq);
+        return -1;
+    }
     int status = -1;
-    if (!xq || !row_scale || !threshold || !cand_col || !cand_hi || !cand_count || !wanted || !pairs || !best_val ||
-        !best_col)
-        goto done;
+    float *row_scale = buf.row_scale, *row_slack = buf.row_slack, *row_step = buf.row_step;
     const double u = 0x1p-24, gk = (double)k * u / (1.0 - (double)k * u);
     const double gg = (double)(groups + 2) * u / (1.0 - (double)(groups + 2) * u);
     const double c = (0.51 / I16_X_MAX + gg * (1.0 + 1e-4) + gk + 4.0 * u) * 1.01;
@@ -180,18 +173,9 @@ int folio_gemm_argmax_codes8_screened(const float *x, int64_t lda, const uint8_t
     }
     int overflow = !sane;
     if (sane) {
-        for (size_t i = 0; i < tt * mm; ++i) threshold[i] = -FLT_MAX;
 #pragma omp parallel num_threads(num_threads) reduction(| : overflow)
         {
-            const int64_t tid = omp_get_thread_num();
-            ScreenState state = {col_abs_sum,
-                                 row_scale,
-                                 row_slack,
-                                 threshold + tid * m,
-                                 cand_col + tid * m * SCREEN_CAP,
-                                 cand_hi + tid * m * SCREEN_CAP,
-                                 cand_count + tid * m,
-                                 0};
+            ScreenState state = screen_state(&buf, col_abs_sum, omp_get_thread_num(), m);
             /* the rows' float32 sums (m x 24), then the group's int16 pairs (48 ymm) */
             float *sums = thread_scratch(&codes8_screen_scratch, (m * BLOCK_N + I16_GROUP_VECS * 8) * 4);
             if (sums == NULL) abort(); /* at most 26 KB per thread */
@@ -207,38 +191,12 @@ int folio_gemm_argmax_codes8_screened(const float *x, int64_t lda, const uint8_t
         status = folio_gemm_argmax_codes8(x, lda, packed, m, n, k, 1, out_ids, num_threads) == 0 ? 1 : -1;
         goto done;
     }
-    const int64_t npairs = screen_pairs(threshold, cand_col, cand_hi, cand_count, threads, m, nblocks, BLOCK_N, wanted,
-                                        pairs);
-    argmax_reset(best_val, best_col, threads * m * 16);
-#pragma omp parallel num_threads(num_threads)
-    {
-        const int64_t tid = omp_get_thread_num();
-        const Epilogue e = {NULL, 0, 0, NULL, n, best_val + tid * m * 16, best_col + tid * m * 16, NULL};
-        const NextBlock none = {NULL, NULL, 0};
-        float *wide = thread_scratch(&codes4_scratch, k * BLOCK_N * (int64_t)sizeof(float));
-        if (wide == NULL) abort();
-        int64_t widened_block = -1;
-#pragma omp for schedule(static)
-        for (int64_t i = 0; i < npairs; ++i) {
-            const int64_t b = pairs[i] / m, r = pairs[i] % m;
-            if (b != widened_block) codes8_widen_block(packed + b * block_bytes, k, wide);
-            widened_block = b;
-            tile_f32(x + r * lda, lda, wide, k, 1, &e, r, b * BLOCK_N, none, NULL);
-        }
-    }
-    argmax_merge(best_val, best_col, threads, m, out_ids);
+    screen_rescore(x, lda, NULL, packed, &buf, screen_pairs(&buf, threads, m, nblocks, BLOCK_N), m, n, k, num_threads,
+                   out_ids);
     status = 0;
 done:
     free(xq);
-    free(row_scale);
-    free(threshold);
-    free(cand_col);
-    free(cand_hi);
-    free(cand_count);
-    free(wanted);
-    free(pairs);
-    free(best_val);
-    free(best_col);
+    screen_buffers_free(&buf);
     return status;
 #else
     (void)x, (void)lda, (void)packed, (void)col_abs_sum, (void)w_abs_max, (void)m, (void)n, (void)k, (void)out_ids;

@@ -30,6 +30,67 @@ static inline int32_t screen_compact(ScreenState *s, int64_t row) {
     return s->cand_count[row] = kept;
 }
 
+/* What a screen allocates per call besides its rounded x: per row its bound's factors, per thread and row the
+ * candidates (ScreenState), and the rescore's (block, row) pairs and arg-max lanes. */
+typedef struct {
+    float *row_scale, *row_slack, *row_step; /* [m] each (row_step: the int16 screen's step of x) */
+    float *threshold;                        /* [threads][m], all -FLT_MAX to start */
+    int32_t *cand_col;                       /* [threads][m][SCREEN_CAP] */
+    float *cand_hi;                          /* [threads][m][SCREEN_CAP] */
+    int32_t *cand_count;                     /* [threads][m], zeroed */
+    uint8_t *wanted;                         /* [m][nblocks], zeroed: rescore this block for this row */
+    int64_t *pairs;                          /* [m nblocks] */
+    float *best_val;                         /* [threads][m][16] */
+    int32_t *best_col;                       /* [threads][m][16] */
+} ScreenBuffers;
+
+static inline void screen_buffers_free(ScreenBuffers *b) {
+    free(b->row_scale);
+    free(b->threshold);
+    free(b->cand_col);
+    free(b->cand_hi);
+    free(b->cand_count);
+    free(b->wanted);
+    free(b->pairs);
+    free(b->best_val);
+    free(b->best_col);
+}
+
+/* 0, or -1 with nothing left allocated where memory ran out. */
+static inline int screen_buffers_alloc(ScreenBuffers *b, int64_t threads, int64_t m, int64_t nblocks) {
+    const size_t mm = (size_t)m, tt = (size_t)threads;
+    b->row_scale = malloc(sizeof(float) * mm * 3);
+    b->row_slack = b->row_scale + m;
+    b->row_step = b->row_scale + 2 * m;
+    b->threshold = malloc(sizeof(float) * tt * mm);
+    b->cand_col = malloc(sizeof(int32_t) * tt * mm * SCREEN_CAP);
+    b->cand_hi = malloc(sizeof(float) * tt * mm * SCREEN_CAP);
+    b->cand_count = calloc(tt * mm, sizeof(int32_t));
+    b->wanted = calloc(mm * (size_t)nblocks, 1);
+    b->pairs = malloc(sizeof(int64_t) * mm * (size_t)nblocks);
+    b->best_val = malloc(sizeof(float) * tt * mm * 16);
+    b->best_col = malloc(sizeof(int32_t) * tt * mm * 16);
+    if (!b->row_scale || !b->threshold || !b->cand_col || !b->cand_hi || !b->cand_count || !b->wanted || !b->pairs ||
+        !b->best_val || !b->best_col) {
+        screen_buffers_free(b);
+        return -1;
+    }
+    for (size_t i = 0; i < tt * mm; ++i) b->threshold[i] = -FLT_MAX;
+    return 0;
+}
+
+/* Thread tid's screening state over the buffers, with the columns' norms w_norm. */
+static inline ScreenState screen_state(const ScreenBuffers *b, const float *w_norm, int64_t tid, int64_t m) {
+    return (ScreenState){w_norm,
+                         b->row_scale,
+                         b->row_slack,
+                         b->threshold + tid * m,
+                         b->cand_col + tid * m * SCREEN_CAP,
+                         b->cand_hi + tid * m * SCREEN_CAP,
+                         b->cand_count + tid * m,
+                         0};
+}
+
 /* Whether a float is finite and below 2^100 in magnitude, by its bits: -ffast-math lets the compiler assume
  * isfinite() is always true. */
 static inline int screen_sane(double v) {
@@ -106,12 +167,15 @@ static void screen_store24(ScreenState *s, int64_t row, int64_t col, const __m25
 }
 #endif
 
-/* After a screen: the (block, row) pairs to rescore, block-major (block * m + row), into pairs; returns their
- * count. A row's candidates are those whose S + b reaches the row's threshold over all threads ([threads][m]
- * each, as the screening tiles left them); wanted is [m][nblocks] zeroed scratch. */
-static inline int64_t screen_pairs(const float *threshold, const int32_t *cand_col, const float *cand_hi,
-                                   const int32_t *cand_count, int64_t threads, int64_t m, int64_t nblocks,
-                                   int64_t block_n, uint8_t *wanted, int64_t *pairs) {
+/* After a screen: the (block, row) pairs to rescore, block-major (block * m + row), into buf->pairs; returns their
+ * count. A row's candidates are those whose S + b reaches the row's threshold over all threads (as the screening
+ * tiles left them). */
+static inline int64_t screen_pairs(const ScreenBuffers *buf, int64_t threads, int64_t m, int64_t nblocks,
+                                   int64_t block_n) {
+    const float *threshold = buf->threshold, *cand_hi = buf->cand_hi;
+    const int32_t *cand_col = buf->cand_col, *cand_count = buf->cand_count;
+    uint8_t *wanted = buf->wanted;
+    int64_t *pairs = buf->pairs;
     for (int64_t r = 0; r < m; ++r) {
         float t = -FLT_MAX;
         for (int64_t p = 0; p < threads; ++p) t = threshold[p * m + r] > t ? threshold[p * m + r] : t;
