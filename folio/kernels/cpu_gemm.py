@@ -35,6 +35,28 @@ def _bind(lib: ctypes.CDLL, name: str, argtypes: list[Any], restype: Any) -> Any
     return function
 
 
+def _as_rows(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernels read it: 2-D [T, k] with unit stride along k (a copy only where it is not already)."""
+    return x if x.stride(-1) == 1 and x.dim() == 2 else x.reshape(-1, x.shape[-1]).contiguous()
+
+
+def _abs_max_rounded_up(weight: torch.Tensor) -> float | None:
+    """At least max |w| (the screens' bound), or None where some entry is not finite. One pass, no temporaries (an
+    LM head is 100+ MB): min and max propagate NaN and are finite only where every entry is; the largest magnitude
+    is then exact in float32."""
+    lowest, highest = (float(v) for v in torch.aminmax(weight))
+    if not (math.isfinite(lowest) and math.isfinite(highest)):
+        return None
+    return max(-lowest, highest) * (1 + 1e-6)
+
+
+def _row_norms_rounded_up(weight: torch.Tensor, norm: Any) -> torch.Tensor:
+    """norm(rows) (float64 per row) over a slice of rows at a time (the whole weight widened was 226 MB for
+    SmolLM2's LM head), rounded up to float32 [n]: the screens' bound must hold for the norms the kernel is given."""
+    norms = torch.cat([norm(rows) for rows in weight.split(_SCREEN_NORM_ROWS)])
+    return (norms * (1 + 1e-6)).float().contiguous()
+
+
 def _try_codes(w: torch.Tensor, packed_bytes: Any, pack: Any) -> torch.Tensor | None:
     """``w`` [n, k] packed by one of the codes' packers (uint8), or None where it is not exactly such codes."""
     n, k = w.shape
@@ -190,8 +212,7 @@ class CpuGemm:
         self, x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None, out_dtype: torch.dtype | None = None
     ) -> torch.Tensor:
         """x [T, k] -> x @ W.T (+ bias) [T, n] in out_dtype (default x's; float32 or bfloat16), float32 sums."""
-        if x.stride(-1) != 1 or x.dim() != 2:
-            x = x.reshape(-1, x.shape[-1]).contiguous()
+        x = _as_rows(x)
         out_dtype = out_dtype or x.dtype
         out = torch.empty((x.shape[0], weight.n), dtype=out_dtype)
         bias32 = None if bias is None else bias.float().contiguous()
@@ -226,8 +247,7 @@ class CpuGemm:
             out, status = self.screened_argmax(x, weight, screen)
             if status != -2:
                 return out
-        if x.stride(-1) != 1 or x.dim() != 2:
-            x = x.reshape(-1, x.shape[-1]).contiguous()
+        x = _as_rows(x)
         out = torch.empty(x.shape[0], dtype=torch.int64)
         status = self._argmax[x.dtype](
             x.data_ptr(),
@@ -248,13 +268,10 @@ class CpuGemm:
         data = _try_codes(weight, self._codes8_bytes, self._pack_codes8)
         if data is None:
             return None
-        # the codes are exact, so the weight is finite; sums in float64 a slice of rows at a time, rounded up
-        lowest, highest = (float(v) for v in torch.aminmax(weight))
-        col_abs_sum = torch.cat(
-            [rows.abs().sum(dim=1, dtype=torch.float64) for rows in weight.split(_SCREEN_NORM_ROWS)]
-        )
-        col_abs_sum = (col_abs_sum * (1 + 1e-6)).float().contiguous()
-        return Codes8Head(data, weight.shape[0], weight.shape[1], col_abs_sum, max(-lowest, highest) * (1 + 1e-6))
+        w_abs_max = _abs_max_rounded_up(weight)
+        assert w_abs_max is not None  # exact codes are finite
+        col_abs_sum = _row_norms_rounded_up(weight, lambda rows: rows.abs().sum(dim=1, dtype=torch.float64))
+        return Codes8Head(data, weight.shape[0], weight.shape[1], col_abs_sum, w_abs_max)
 
     def argmax_codes8(self, x: torch.Tensor, head: Codes8Head, widened: bool = True) -> torch.Tensor | None:
         """``argmax`` of float32 x [T, k] over the head's codes (the float32 logits' token, the first of equals);
@@ -262,8 +279,7 @@ class CpuGemm:
         than one row tile: blocks widened once for several tiles are then left to a faster path)."""
         if x.dtype != torch.float32:
             return None
-        if x.stride(-1) != 1 or x.dim() != 2:
-            x = x.reshape(-1, x.shape[-1]).contiguous()
+        x = _as_rows(x)
         out = torch.empty(x.shape[0], dtype=torch.int64)
         status = self._argmax_codes8(
             x.data_ptr(), x.stride(0), head.data.data_ptr(), x.shape[0], head.n, head.k, int(widened),
@@ -277,8 +293,7 @@ class CpuGemm:
         many candidates), -1 not run (T > 256), -2 not in this library (AVX2 only)."""
         if x.dtype != torch.float32:
             return None, -1
-        if x.stride(-1) != 1 or x.dim() != 2:
-            x = x.reshape(-1, x.shape[-1]).contiguous()
+        x = _as_rows(x)
         out = torch.empty(x.shape[0], dtype=torch.int64)
         status = int(
             self._argmax_codes8_screened(
@@ -293,18 +308,10 @@ class CpuGemm:
         where it cannot apply (not float32, an odd k, or a weight that is not finite)."""
         if weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[1] % 2 or weight.numel() == 0:
             return None
-        # One pass, no temporaries (an LM head is 100+ MB): min and max propagate NaN, and are finite only where
-        # every entry is; the largest magnitude is then exact in float32.
-        lowest, highest = (float(v) for v in torch.aminmax(weight))
-        if not (math.isfinite(lowest) and math.isfinite(highest)):
+        w_abs_max = _abs_max_rounded_up(weight)
+        if w_abs_max is None:
             return None
-        w_abs_max = max(-lowest, highest) * (1 + 1e-6)
-        # Row norms summed in float64, a slice of rows at a time (the whole weight widened was 226 MB for SmolLM2's
-        # LM head), rounded up: the bound must hold for the norms the kernel is given.
-        w_norm = torch.cat(
-            [torch.linalg.vector_norm(rows, dim=1, dtype=torch.float64) for rows in weight.split(_SCREEN_NORM_ROWS)]
-        )
-        w_norm = (w_norm * (1 + 1e-6)).float().contiguous()
+        w_norm = _row_norms_rounded_up(weight, lambda rows: torch.linalg.vector_norm(rows, dim=1, dtype=torch.float64))
         (packed,) = self.pack_all([weight.to(torch.bfloat16)], huge_pages)
         return ArgmaxScreen(packed, w_norm, w_abs_max)
 
@@ -314,8 +321,7 @@ class CpuGemm:
         """``argmax`` of float32 x through the screen; also the kernel's status: 0 screened, 1 the exact path
         taken instead (non-finite or huge x, too many candidates), -1 not run (T > 256), -2 not in this library
         (no vdpbf16ps)."""
-        if x.stride(-1) != 1 or x.dim() != 2:
-            x = x.reshape(-1, x.shape[-1]).contiguous()
+        x = _as_rows(x)
         out = torch.empty(x.shape[0], dtype=torch.int64)
         status = int(
             self._argmax_screened(

@@ -25,8 +25,8 @@
 
 static _Thread_local ThreadScratch codes8_screen_scratch; /* each thread's float32 sums of a block's rows */
 
-/* Group g of block `src` (8-bit codes) -> its int16 k pairs: dst[p][j] holds columns 8j .. 8j + 7 of k 32g + 2p and
- * 32g + 2p + 1 side by side (vpmaddwd's operand layout). */
+/* One group of a block's 8-bit codes -> its int16 k pairs: dst[p][j] holds columns 8j .. 8j + 7 of the group's k 2p
+ * and 2p + 1 side by side (vpmaddwd's operand layout). */
 static inline void codes8_widen_pairs(const uint8_t *group, __m256i *dst) {
     const uint8_t *codes = group + BLOCK_N * sizeof(float);
     for (int p = 0; p < I16_PAIRS; ++p) {

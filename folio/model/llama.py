@@ -186,14 +186,12 @@ class LlamaForCausalLM(nn.Module):
         head = self.tied_lm_head_packed if self.lm_head is None else self.lm_head.packed_weight
         if not isinstance(head, PackedWeight) or (self.lm_head is not None and self.lm_head.bias is not None):
             return None
-        if self.lm_head_codes8 is not None and self.lm_head_codes8_screened:
-            ids, _ = head.gemm.argmax_codes8_screened(hidden, self.lm_head_codes8)
-            if ids is not None:
-                return ids
-        if self.lm_head_codes8 is not None:
+        if (codes8 := self.lm_head_codes8) is not None:
+            screened = head.gemm.argmax_codes8_screened(hidden, codes8)[0] if self.lm_head_codes8_screened else None
+            if screened is not None:
+                return screened
             # beyond one row tile the bfloat16 screen, where the plan has it, beats any float32 arg-max
-            widened = self.lm_head_screen is None
-            if (ids := head.gemm.argmax_codes8(hidden, self.lm_head_codes8, widened)) is not None:
+            if (ids := head.gemm.argmax_codes8(hidden, codes8, self.lm_head_screen is None)) is not None:
                 return ids
         return head.gemm.argmax(hidden, head, self.lm_head_screen)
 
