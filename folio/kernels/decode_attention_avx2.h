@@ -5,9 +5,10 @@
  *   1. scores: 8 positions at a time, one vector of partial sums per position (8 independent FMA chains, the
  *      query read from L1 one vector at a time), then one 8-way reduction tree (attn_reduce8) per chunk;
  *   2. softmax: per query head one horizontal max, exp (exp256) and a lane-wise sum over the score row;
- *   3. V: 16 registers do not hold G x C accumulators (G 3, head_dim 64: 24), so the pass walks the block's
- *      rows once per query head (and slice of 64 dims), with 8 accumulators and one broadcast weight live; the
- *      later heads find the block's rows in L1 (a KV head's block: 4 KiB in float32).
+ *   3. V: 16 registers do not hold G x C accumulators (G 3, head_dim 64: 24). On a float32 cache the pass walks
+ *      the block's rows once per query head (and slice of 64 dims), with 8 accumulators and one broadcast weight
+ *      live, the later heads finding the rows in L1 (a KV head's block: 4 KiB); on a bfloat16 cache once per
+ *      slice of W vectors of dims for all G heads, each vector widened once.
  * A bfloat16 cache is widened in registers (vpmovzxwd + shift), one 8-dim vector per load. */
 
 static inline __attribute__((always_inline)) __m256 CAT(kv_load8_, KV_SUFFIX)(const KV_T *p) {
@@ -72,7 +73,7 @@ static inline __attribute__((always_inline)) void CAT(decode_scores_avx2_, KV_SU
 #if KV_IS_BF16
 /* 3. on a bfloat16 cache: out[kh G + g] += probs . V over one block's n_block rows of KV head kh, dims 8 s0 .. 8
  * (s0 + W) - 1, for all G heads at once: each V vector is widened once, not once per head (walking the rows once
- * per head, as the float32 cache does, took 2.6-3.6 ms more a step from DRAM, session 44) */
+ * per head, as the float32 cache does, took 2.6-2.8 ms more a step from DRAM, about 12%, session 44) */
 static inline __attribute__((always_inline)) void CAT(block_v_slice_avx2_, KV_SUFFIX)(
     const KV_T *vb, int64_t pos_stride, int64_t n_block, const float *probs, int64_t ctx16, const int G,
     const int C, const int W, int s0, float *acc) {
@@ -102,7 +103,7 @@ static inline __attribute__((always_inline)) void CAT(block_v_slice_avx2_, KV_SU
  * a time (8 accumulators, one broadcast weight, V as the FMAs' memory operand): each head's walk reads the block's
  * rows front to back, the first from L2, the others from L1. Walking the rows once per slice of dims for all G heads
  * at once (fewer loads per FMA) read each row's lines with a stride and ran slower from memory: 64 rows x 30 layers
- * at contexts 110-290, float32, Zen 3: 31.7-33.7 against 30.7-32.2 ms a step (DRAM), 19-21 against 17.6-20.3 (L3),
+ * at contexts 110-290, float32, Zen 3: 31.7-33.7 against 30.7-32.2 ms a step (DRAM), 18.9-21.1 against 17.6-20.4 (L3),
  * the same in L2; with scattered blocks 35.9-36.6 against 34.4-35.2 (session 44). Each accumulator sums the rows in
  * the same order either way: the same bits. */
 static inline __attribute__((always_inline)) void CAT(block_v_heads_avx2_, KV_SUFFIX)(
