@@ -111,7 +111,12 @@ def choose_cpu_plan(tier: IsaTier, dtype_name: str, have_compiler: bool = True, 
         tier=tier,
         dtype_name=dtype_name,
         gemm=gemm,
-        lm_head_argmax=_lm_head_argmax(gemm, dtype_name, tier, have_compiler),
+        lm_head_argmax=_lm_head_argmax(
+            gemm,
+            dtype_name,
+            bf16_screen=folio_or("lm_head_bf16_screen", "") == "folio",
+            int16_screen=folio_or("lm_head_int16_screen", "") == "folio" and tier <= LM_HEAD_INT16_SCREEN_MAX_TIER,
+        ),
         decode_attention=decode,
         prefill_attention=prefill,
         elementwise=elementwise,
@@ -121,13 +126,13 @@ def choose_cpu_plan(tier: IsaTier, dtype_name: str, have_compiler: bool = True, 
     )
 
 
-def _lm_head_argmax(gemm: str, dtype_name: str, tier: IsaTier, have_compiler: bool) -> str:
+def _lm_head_argmax(gemm: str, dtype_name: str, bf16_screen: bool, int16_screen: bool) -> str:
     """Folio's fused arg-max needs Folio's GEMM; a float32 one is screened in bfloat16 where vdpbf16ps exists, and
-    in int16 (for a head of 8-bit codes) on the AVX2 tier."""
+    in int16 (for a head of 8-bit codes) where that screen runs (the AVX2 tier)."""
     if gemm != "folio":
         return "off"
-    if dtype_name == "float32" and have_compiler and tier >= FOLIO_MIN_TIER["lm_head_bf16_screen"]:
+    if dtype_name == "float32" and bf16_screen:
         return "folio_bf16_screen"
-    if dtype_name == "float32" and FOLIO_MIN_TIER["lm_head_int16_screen"] <= tier <= LM_HEAD_INT16_SCREEN_MAX_TIER:
+    if dtype_name == "float32" and int16_screen:
         return "folio_int16_screen"
     return "folio"
