@@ -62,10 +62,21 @@ typedef struct {
     const int64_t *seg_row;
     const int32_t *seg_ctx, *seg_len;
     int64_t num_segs;
-    void *qkv, *attn_out, *proj, *gate_up, *act; /* scratch: [T, (NH + 2 KV) D], [T, NH D], [T, H], [T, 2 I], [T, I] */
+    /* scratch: [T, (NH + 2 KV) D], [T, NH D], [T, H]; gate_up and act [min(T, LLAMA_MLP_ROWS), 2 I] and [.., I] */
+    void *qkv, *attn_out, *proj, *gate_up, *act;
     int num_threads;
     double *phase_seconds; /* [LLAMA_NUM_PHASES] wall seconds added per phase, or NULL (no timing) */
 } LlamaStep;
+
+/* The MLP (gate|up, SiLU-and-mul, down) runs over a step's rows this many at a time: a prefill step's gate|up rows
+ * (2 I floats each: 3 MiB at SmolLM2's I = 1536) are read back by the SiLU and its act rows by the down projection
+ * while they are still in cache, where a 2048-row step's 25 MB went out to DRAM and back. W1 float32 on Zen 3
+ * (avx2), the steps with prefill chunks: gate|up + SiLU + down 7.43 -> 7.19 s (512 rows: 7.23; docs/performance.md,
+ * session 45). Decode steps (64 rows) are one piece either way. The GEMMs' rows are independent: the same bits. */
+#define LLAMA_MLP_ROWS 256
+
+/* LLAMA_MLP_ROWS, for the caller sizing the gate_up and act scratch */
+int64_t folio_llama_mlp_rows(void) { return LLAMA_MLP_ROWS; }
 
 /* Phases timed when LlamaStep.phase_seconds is set (their names: folio/model/cpu_fused.py PHASES). Each phase
  * ends at a barrier, so thread 0's clock between barriers is the phase's wall time. */

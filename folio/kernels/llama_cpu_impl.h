@@ -93,12 +93,18 @@ int CAT(folio_llama_forward_, FORWARD_SUFFIX)(const LlamaModelParams *m, const L
             ALL_REDUCE_PROJ()
             CAT(rms_norm_body_, SUFFIX)(proj, H, hidden, p->post_norm, out, hidden, T, H, m->eps);
             PHASE_DONE(PHASE_NORM)
-            LAYER_GEMM(CODES4_GATE_UP, out, H, p->gate_up, NULL, gate_up, IS_BF16, 2 * inter, T, 2 * inter, H, &side)
-            PHASE_DONE(PHASE_GATE_UP)
-            CAT(silu_and_mul_body_, SUFFIX)(gate_up, 2 * inter, act, T, inter);
-            PHASE_DONE(PHASE_SILU)
-            LAYER_GEMM(CODES4_DOWN, act, inter, p->down, NULL, proj, IS_BF16, H, T, H, inter, &side)
-            PHASE_DONE(PHASE_DOWN)
+            /* the MLP LLAMA_MLP_ROWS rows at a time: its gate|up and act scratch rows stay in cache between the
+             * three phases, and hold only that many rows */
+            for (int64_t r0 = 0; r0 < T; r0 += LLAMA_MLP_ROWS) {
+                const int64_t rows = T - r0 < LLAMA_MLP_ROWS ? T - r0 : LLAMA_MLP_ROWS;
+                LAYER_GEMM(CODES4_GATE_UP, out + r0 * H, H, p->gate_up, NULL, gate_up, IS_BF16, 2 * inter, rows,
+                           2 * inter, H, &side)
+                PHASE_DONE(PHASE_GATE_UP)
+                CAT(silu_and_mul_body_, SUFFIX)(gate_up, 2 * inter, act, rows, inter);
+                PHASE_DONE(PHASE_SILU)
+                LAYER_GEMM(CODES4_DOWN, act, inter, p->down, NULL, proj + r0 * H, IS_BF16, H, rows, H, inter, &side)
+                PHASE_DONE(PHASE_DOWN)
+            }
             ALL_REDUCE_PROJ()
         }
         if (!reduce_failed) {

@@ -155,6 +155,9 @@ class FusedCpuDecoder:
         self._dtype: torch.dtype = first.input_layernorm.weight.dtype
         self._sizes = (int(attn.num_heads * attn.head_dim), int(attn.num_kv_heads * attn.head_dim))
         self._inter = _packed(first.mlp.gate_up_proj).n // 2
+        mlp_rows = lib.folio_llama_mlp_rows
+        mlp_rows.argtypes, mlp_rows.restype = [], ctypes.c_int64
+        self.mlp_rows: int = mlp_rows()  # the MLP's rows at a time, and its scratch's rows (llama_cpu.c)
         self._hidden = _packed(attn.o_proj).n
         self._layers = (_LayerParams * len(layers))()
         for params, layer in zip(self._layers, layers, strict=True):
@@ -295,11 +298,12 @@ class FusedCpuDecoder:
         hidden = hidden.contiguous()
         q_size, kv_size = self._sizes
 
-        def scratch(width: int) -> torch.Tensor:
-            return torch.empty((num_tokens, width), dtype=self._dtype)
+        def scratch(width: int, rows: int = num_tokens) -> torch.Tensor:
+            return torch.empty((rows, width), dtype=self._dtype)
 
         out, qkv, attn_out = scratch(self._hidden), scratch(q_size + 2 * kv_size), scratch(q_size)
-        proj, gate_up, act = scratch(self._hidden), scratch(2 * self._inter), scratch(self._inter)
+        mlp_rows = min(num_tokens, self.mlp_rows)
+        proj, gate_up, act = scratch(self._hidden), scratch(2 * self._inter, mlp_rows), scratch(self._inter, mlp_rows)
         step = _Step(
             num_tokens=num_tokens,
             hidden=hidden.data_ptr(),

@@ -52,16 +52,20 @@ def test_fused_decoder_equals_layer_by_layer(
     eager, _ = load_model(model_path, dtype, cpu, show_progress=False, enforce_eager=True, cpu_kernels=kernels)
     assert fused.model.fused_cpu is not None and eager.model.fused_cpu is None
     shape = KVCacheShape(spec.num_hidden_layers, BLOCK_SIZE, spec.num_key_value_heads, spec.head_dim, cache_dtype, True)
-    caches = {"fused": shape.allocate(40, cpu), "eager": shape.allocate(40, cpu)}
+    caches = {"fused": shape.allocate(64, cpu), "eager": shape.allocate(64, cpu)}
     # request -> its blocks (not contiguous, not in order)
     tables = [[3, 9, 1, 12, 30], [0, 7, 22, 5, 14, 2, 31], [4, 17], [8, 6, 11, 25]]
+    tables += [list(range(49, 39, -1)), [50, 63, 51, 62, 52, 61, 53, 60, 54, 59, 55, 58, 56]]
     gen = torch.Generator().manual_seed(0)
     # (query_lens, seq_lens) per step; requests absent from a step have query 0
     steps = [
         ([40, 70, 0, 0], [40, 70, 0, 0]),  # two fresh prefills
         ([1, 25, 17, 0], [41, 95, 17, 0]),  # a decode, a chunk after 70 cached tokens, a fresh prefill
         ([1, 1, 1, 50], [42, 96, 18, 50]),  # three decodes and a prefill
+        # more rows than the MLP takes at a time (fused.model.fused_cpu.mlp_rows: 256), with a tail
+        ([1, 1, 1, 1, 150, 200], [43, 97, 19, 51, 150, 200]),
     ]
+    assert fused.model.fused_cpu.mlp_rows < sum(steps[-1][0]) < 2 * fused.model.fused_cpu.mlp_rows
     for query_lens, seq_lens in steps:
         live = [i for i, q in enumerate(query_lens) if q > 0]
         q_lens, s_lens = [query_lens[i] for i in live], [seq_lens[i] for i in live]
