@@ -68,11 +68,12 @@ typedef struct {
     double *phase_seconds; /* [LLAMA_NUM_PHASES] wall seconds added per phase, or NULL (no timing) */
 } LlamaStep;
 
-/* The MLP (gate|up, SiLU-and-mul, down) runs over a step's rows this many at a time: a prefill step's gate|up rows
- * (2 I floats each: 3 MiB at SmolLM2's I = 1536) are read back by the SiLU and its act rows by the down projection
- * while they are still in cache, where a 2048-row step's 25 MB went out to DRAM and back. W1 float32 on Zen 3
- * (avx2), the steps with prefill chunks: gate|up + SiLU + down 7.43 -> 7.19 s (512 rows: 7.23; docs/performance.md,
- * session 45). Decode steps (64 rows) are one piece either way. The GEMMs' rows are independent: the same bits. */
+/* The MLP (gate|up, SiLU-and-mul, down) runs over a step's rows this many at a time, so that the SiLU reads the
+ * gate|up rows and the down projection the act rows while they are still in cache: 256 rows of gate|up (2 I floats
+ * each) are 3 MiB at SmolLM2's I = 1536, where a 2048-row prefill step's 25 MB went out to DRAM and back. W1
+ * float32 on Zen 3 (avx2), the steps with prefill chunks: gate|up + SiLU + down 7.43 -> 7.19 s and 7.39 -> 7.18 s in
+ * two A/B runs (512 rows: 7.23; docs/performance.md, session 45). Decode steps (64 rows) are one piece either way.
+ * The GEMMs' rows are independent: the same bits. */
 #define LLAMA_MLP_ROWS 256
 
 /* LLAMA_MLP_ROWS, for the caller sizing the gate_up and act scratch */
