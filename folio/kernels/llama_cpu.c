@@ -66,6 +66,13 @@ typedef struct {
     void *qkv, *attn_out, *proj, *gate_up, *act;
     int num_threads;
     double *phase_seconds; /* [LLAMA_NUM_PHASES] wall seconds added per phase, or NULL (no timing) */
+    /* The rows whose output the caller reads (ascending, distinct), or NULL for all: the last layer writes every
+     * row's K/V and runs its attention, then keeps these rows only (moved to the front, in order) for the rest of
+     * the layer and the final norm, so `out` holds num_out_rows rows. A prefill chunk needs the last layer's K/V
+     * of every token but the rest of that layer for its last token at most: W1's prefill steps skip 1/30 of their
+     * o, MLP and final norm. Rows are computed independently: the same bits in the rows kept. */
+    const int64_t *out_rows;
+    int64_t num_out_rows;
 } LlamaStep;
 
 /* The MLP (gate|up, SiLU-and-mul, down) runs over a step's rows this many at a time, so that the SiLU reads the
@@ -75,6 +82,16 @@ typedef struct {
  * two A/B runs (512 rows: 7.23; docs/performance.md, session 45). Decode steps (64 rows) are one piece either way.
  * The GEMMs' rows are independent: the same bits. */
 #define LLAMA_MLP_ROWS 256
+
+/* Row rows[i] of buffers a and b (row-major, rows of a_row_bytes and b_row_bytes) moved to row i, for each i in
+ * order: rows ascending and distinct, so rows[i] >= i and no row is overwritten before it moves. */
+static void keep_rows(const int64_t *rows, int64_t n, void *a, int64_t a_row_bytes, void *b, int64_t b_row_bytes) {
+    for (int64_t i = 0; i < n; ++i)
+        if (rows[i] != i) {
+            memcpy((char *)a + i * a_row_bytes, (const char *)a + rows[i] * a_row_bytes, (size_t)a_row_bytes);
+            memcpy((char *)b + i * b_row_bytes, (const char *)b + rows[i] * b_row_bytes, (size_t)b_row_bytes);
+        }
+}
 
 /* LLAMA_MLP_ROWS, for the caller sizing the gate_up and act scratch */
 int64_t folio_llama_mlp_rows(void) { return LLAMA_MLP_ROWS; }

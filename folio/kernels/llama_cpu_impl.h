@@ -4,7 +4,7 @@
  * rope_and_cache_body_<FORWARD_SUFFIX>. Returns 0, -1 if a buffer could not be allocated, -2 if the
  * tensor-parallel all-reduce failed (the layers after it not run). */
 int CAT(folio_llama_forward_, FORWARD_SUFFIX)(const LlamaModelParams *m, const LlamaStep *s) {
-    const int64_t T = s->num_tokens, H = m->hidden, D = m->head_dim, inter = m->intermediate;
+    const int64_t T_all = s->num_tokens, H = m->hidden, D = m->head_dim, inter = m->intermediate;
     const int64_t q_size = m->num_heads * D, qkv_size = q_size + 2 * m->num_kv_heads * D;
     ELEM_T *hidden = s->hidden, *out = s->out, *qkv = s->qkv, *attn_out = s->attn_out, *proj = s->proj;
     ELEM_T *gate_up = s->gate_up, *act = s->act;
@@ -17,7 +17,7 @@ int CAT(folio_llama_forward_, FORWARD_SUFFIX)(const LlamaModelParams *m, const L
     float *arena = attn_arena(per_thread, s->num_threads);
     int64_t num_offsets = 0;
     int64_t *kv_offsets = next_layer_kv_offsets(&decode, s->block_table, s->bt_stride, &kv, (int64_t)sizeof(CACHE_T),
-                                                m->kv_prefetch_bytes, T, &num_offsets);
+                                                m->kv_prefetch_bytes, T_all, &num_offsets);
     if (arena == NULL || prefill_plan_tiles(&prefill) != 0 || (num_offsets > 0 && kv_offsets == NULL)) {
         free(arena);
         free(kv_offsets);
@@ -61,6 +61,7 @@ int CAT(folio_llama_forward_, FORWARD_SUFFIX)(const LlamaModelParams *m, const L
     else                                                                                                         \
         gemm_body_f32(x, lda, w, __VA_ARGS__);
 #endif
+        int64_t T = T_all; /* the rows the phases run over: all of them until the last layer's attention */
         for (int64_t l = 0; l < m->num_layers; ++l) {
             const LlamaLayerParams *p = &m->layers[l];
             if (l == 0) /* the embeddings are the residual stream; the layer's input is their norm */
@@ -80,6 +81,13 @@ int CAT(folio_llama_forward_, FORWARD_SUFFIX)(const LlamaModelParams *m, const L
             PHASE_DONE(PHASE_DECODE_ATTN)
             if (prefill.num_tiles > 0) CAT(prefill_body_, CACHE_SUFFIX)(&attn, &prefill, &scratch);
             PHASE_DONE(PHASE_PREFILL_ATTN)
+            if (l + 1 == m->num_layers && s->out_rows != NULL && s->num_out_rows < T) {
+                /* one thread, in order: row out_rows[i] >= i may be the source of a later row's move */
+#pragma omp single
+                keep_rows(s->out_rows, s->num_out_rows, attn_out, q_size * (int64_t)sizeof(ELEM_T), hidden,
+                          H * (int64_t)sizeof(ELEM_T));
+                T = s->num_out_rows;
+            }
             /* from here on (this layer's o, gate|up, down and the next one's q|k|v) the GEMMs prefetch the next
              * layer's K/V blocks, this thread's share of them; nothing after the last layer */
             side.index = l + 1 < m->num_layers ? num_offsets * tid / nt : side.count;

@@ -110,6 +110,8 @@ class _Step(ctypes.Structure):
         ("act", _ptr),
         ("num_threads", _int),
         ("phase_seconds", _ptr),
+        ("out_rows", _ptr),
+        ("num_out_rows", _i64),
     ]
 
 
@@ -286,7 +288,10 @@ class FusedCpuDecoder:
         sin: torch.Tensor,  # [T, head_dim]
         kv_caches: list[torch.Tensor],
         attn: AttnMetadata,
-    ) -> torch.Tensor:  # [T, hidden], final norm applied
+        output_rows: torch.Tensor | None = None,  # [R] int64: the rows the caller reads (None: all)
+    ) -> torch.Tensor:  # [R, hidden] (or [T, hidden]), final norm applied
+        """The decoder over a step's T rows; with ``output_rows`` the last layer runs past its attention only for
+        those rows (llama_cpu.c LlamaStep.out_rows), which come back in the order asked."""
         bound = self._caches_bound
         if bound is None or len(bound) != len(kv_caches) or any(a is not b for a, b in zip(bound, kv_caches)):  # noqa: B905
             self._bind_caches(kv_caches)
@@ -302,6 +307,7 @@ class FusedCpuDecoder:
             return torch.empty((rows, width), dtype=self._dtype)
 
         out, qkv, attn_out = scratch(self._hidden), scratch(q_size + 2 * kv_size), scratch(q_size)
+        kept, order = _kept_rows(output_rows, num_tokens)
         mlp_rows = min(num_tokens, self.mlp_rows)
         proj, gate_up, act = scratch(self._hidden), scratch(2 * self._inter, mlp_rows), scratch(self._inter, mlp_rows)
         step = _Step(
@@ -329,6 +335,8 @@ class FusedCpuDecoder:
             act=act.data_ptr(),
             num_threads=torch.get_num_threads(),
             phase_seconds=None if self.phase_records is None else self._phase_seconds.zero_().data_ptr(),
+            out_rows=None if kept is None else kept.data_ptr(),
+            num_out_rows=num_tokens if kept is None else kept.numel(),
         )
         self._proj = proj
         status = self._fn(ctypes.byref(self._params), ctypes.byref(step))
@@ -341,4 +349,17 @@ class FusedCpuDecoder:
             raise MemoryError("fused CPU decoder could not allocate its buffers")
         if self.phase_records is not None:
             self.phase_records.append((step.num_rows, step.num_segs, self._phase_seconds.tolist()))
+        if order is not None:
+            return out[order] if kept is None else out[: kept.numel()][order]
         return out
+
+
+def _kept_rows(output_rows: torch.Tensor | None, num_tokens: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(the distinct rows in ascending order, as the C side keeps them, or None where that is every row; the index
+    of each asked row in what the forward then returns, or None for all rows in order)."""
+    if output_rows is None:
+        return None, None
+    if output_rows.numel() >= num_tokens:  # a decode step: (about) every row, straight from the full output
+        return None, output_rows
+    kept, order = torch.unique(output_rows.to(torch.int64), sorted=True, return_inverse=True)
+    return kept.contiguous(), order

@@ -105,15 +105,19 @@ class LlamaDecoderLayer(nn.Module):
         sin: torch.Tensor,
         kv_cache: torch.Tensor,
         attn: AttnMetadata,
+        output_rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (this layer's MLP output, the residual stream before it): the residual add is left to the
-        next norm, which fuses it (vLLM's layout; one pass over the activations instead of two)."""
+        next norm, which fuses it (vLLM's layout; one pass over the activations instead of two). With
+        ``output_rows`` (the last layer) every row's K/V is written, and both come back for those rows only."""
         if residual is None:
             residual = hidden
             normed = self.input_layernorm(hidden)
         else:
             normed, residual = self.input_layernorm.add_and_norm(hidden, residual)
         hidden = self.self_attn(normed, cos, sin, kv_cache, attn)
+        if output_rows is not None:
+            hidden, residual = hidden[output_rows], residual[output_rows]
         normed, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)
         return self.mlp(normed), residual
 
@@ -134,17 +138,25 @@ class LlamaModel(nn.Module):
         return self.fused_cpu is not None
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], attn: AttnMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        attn: AttnMetadata,
+        output_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """The final-normed hidden states of ``output_rows`` (all rows when None), in that order. Only those rows
+        run past the last layer's attention: a prefill chunk's other tokens need that layer's K/V, not its MLP."""
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.layers)} layers")
         hidden = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(positions, hidden.dtype)  # shared by every layer
         if self.fused_cpu is not None:  # the same layers in one C call (folio/model/cpu_fused.py)
-            return self.fused_cpu.forward(hidden, cos, sin, kv_caches, attn)
+            return self.fused_cpu.forward(hidden, cos, sin, kv_caches, attn, output_rows)
         residual: torch.Tensor | None = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(hidden, residual, cos, sin, kv_cache, attn)
+        last = len(self.layers) - 1
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            hidden, residual = layer(hidden, residual, cos, sin, kv_cache, attn, output_rows if i == last else None)
         assert residual is not None, "a model has at least one layer"
         return self.norm.add_and_norm(hidden, residual)[0]
 
@@ -168,8 +180,9 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,  # [T] int64
         kv_caches: list[torch.Tensor],  # one per layer: [2, num_blocks, block_size, num_kv_heads, head_dim]
         attn: AttnMetadata,
-    ) -> torch.Tensor:  # [T, hidden], final norm applied
-        return self.model(input_ids, positions, kv_caches, attn)
+        output_rows: torch.Tensor | None = None,  # [R] int64: the rows the caller reads (LlamaModel.forward)
+    ) -> torch.Tensor:  # [R, hidden] ([T, hidden] without output_rows), final norm applied
+        return self.model(input_ids, positions, kv_caches, attn, output_rows)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, hidden] -> [S, vocab] float32
         if self.lm_head is not None and self.lm_head.packed_weight is not None:

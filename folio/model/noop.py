@@ -46,8 +46,9 @@ class NoopCausalLM(nn.Module):
         positions: torch.Tensor,  # [T] int64
         kv_caches: list[torch.Tensor],  # ignored: the no-op model neither reads nor writes K/V
         attn: AttnMetadata,
-    ) -> torch.Tensor:  # [T, hidden] zeros (a view of a shared buffer: callers only read it)
-        num_tokens = input_ids.shape[0]
+        output_rows: torch.Tensor | None = None,  # the rows asked for (LlamaModel.forward): as many zero rows
+    ) -> torch.Tensor:  # [T or R, hidden] zeros (a view of a shared buffer: callers only read it)
+        num_tokens = input_ids.shape[0] if output_rows is None else output_rows.shape[0]
         if self._hidden.shape[0] < num_tokens:
             self._hidden = torch.zeros(num_tokens, self.spec.hidden_size, dtype=self.dtype, device=self.device)
         return self._hidden[:num_tokens]

@@ -109,10 +109,15 @@ class PipelineStageLlamaModel(LlamaModel):
     pp_device: torch.device
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], attn: AttnMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        attn: AttnMetadata,
+        output_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """[T, hidden]: the final-normed hidden states on the last stage; elsewhere this stage's output (already
-        sent on)."""
+        """The final-normed hidden states of ``output_rows`` on the last stage (LlamaModel.forward); elsewhere
+        this stage's output [T, hidden] (already sent on: every row goes on)."""
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"got {len(kv_caches)} KV caches for this stage's {len(self.layers)} layers")
         stage = self.pp_stage
@@ -125,8 +130,9 @@ class PipelineStageLlamaModel(LlamaModel):
                 positions.shape[0], self.pp_hidden_size, self.pp_dtype, self.pp_device
             )
         cos, sin = self.rotary_emb(positions, hidden.dtype)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(hidden, residual, cos, sin, kv_cache, attn)
+        last = len(self.layers) - 1 if stage.is_last else -1
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            hidden, residual = layer(hidden, residual, cos, sin, kv_cache, attn, output_rows if i == last else None)
         assert residual is not None, "every stage holds at least one layer"
         if not stage.is_last:
             stage.send_activations(hidden, residual)

@@ -162,13 +162,14 @@ class DraftModelRunner:
         input_ids = [
             token for state, s, e in zip(states, starts, ends, strict=True) for token in state.token_slice(s, e)
         ]
-        hidden = self._forward(input_ids, query_lens, ends, [state.block_ids for state in states])
         last_rows = [sum(query_lens[: i + 1]) - 1 for i in range(len(states))]
         proposing = [i for i, count in enumerate(counts) if count > 0]
+        rows = torch.tensor([last_rows[i] for i in proposing], dtype=torch.int64, device=self.device)
+        hidden = self._forward(input_ids, query_lens, ends, [state.block_ids for state in states], rows)
         drafts: list[list[int]] = [[] for _ in states]
         if not proposing:
             return drafts
-        for i, token in zip(proposing, self._argmax(hidden[[last_rows[i] for i in proposing]]), strict=True):
+        for i, token in zip(proposing, self._argmax(hidden), strict=True):
             drafts[i].append(token)
         for j in range(1, max(counts)):  # d_{j-1} at position N + j - 1 predicts d_j
             active = [i for i in proposing if counts[i] > j]
@@ -181,14 +182,20 @@ class DraftModelRunner:
         return drafts
 
     def _forward(
-        self, input_ids: list[int], query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]]
+        self,
+        input_ids: list[int],
+        query_lens: list[int],
+        seq_lens: list[int],
+        block_tables: list[list[int]],
+        output_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """[sum(query_lens), hidden]: the draft model over requests whose queries are their last query_lens
-        positions of seq_lens; raises ValueError where a block table lacks the slots (no lookahead allocated)."""
+        """[sum(query_lens), hidden] (or the ``output_rows`` asked for: the model skips the others' last layer): the
+        draft model over requests whose queries are their last query_lens positions of seq_lens; raises ValueError
+        where a block table lacks the slots (no lookahead allocated)."""
         attn = build_attn_metadata(query_lens, seq_lens, block_tables, self.block_size, self.device)
         positions = torch.tensor(compute_positions(query_lens, seq_lens), dtype=torch.int64, device=self.device)
         ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
-        hidden: torch.Tensor = self.model(ids, positions, self.kv_caches, attn)
+        hidden: torch.Tensor = self.model(ids, positions, self.kv_caches, attn, output_rows)
         return hidden
 
     def _argmax(self, rows: torch.Tensor) -> list[int]:

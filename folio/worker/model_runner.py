@@ -97,13 +97,19 @@ class ModelRunner:
         timer = self.step_timer
         if timer is not None:
             timer.lap(PREPARE_INPUTS)
+        # [S + P + sum(k_i + 1), hidden]: the rows that need logits (the model skips the others' last layer)
         if self.decode_graphs is not None and self.decode_graphs.can_run(model_input):
-            hidden = self.decode_graphs.run(model_input)
+            all_rows = self.decode_graphs.run(model_input)[model_input.logits_indices]
         else:
-            hidden = self.model(model_input.input_ids, model_input.positions, self.kv_caches, model_input.attn)
+            all_rows = self.model(
+                model_input.input_ids,
+                model_input.positions,
+                self.kv_caches,
+                model_input.attn,
+                output_rows=model_input.logits_indices,
+            )
         if not self.is_last_stage:  # its output went on to the next stage (folio/parallel/pipeline_parallel.py)
             return ModelRunnerOutput(req_ids, [[] for _ in req_ids], [None] * len(req_ids))
-        all_rows = hidden[model_input.logits_indices]  # [S + P + sum(k_i + 1), hidden]
         rows, spec_rows = all_rows, None
         if model_input.spec_req_ids:  # speculative decoding: the drafted requests' rows come last
             num_main_rows = all_rows.shape[0] - sum(len(d) + 1 for d in model_input.spec_draft_token_ids)

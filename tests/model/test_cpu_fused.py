@@ -1,7 +1,8 @@
 """The fused CPU decoder (folio/model/cpu_fused.py) against the layer-by-layer model it replaces on the CPU.
 
 Both run the same kernels in the same order, so the hidden states and every layer's K/V cache must be equal bit
-for bit, over steps that mix fresh prefills, a prefill chunk after cached tokens and decodes. The model is a random
+for bit, over steps that mix fresh prefills, a prefill chunk after cached tokens and decodes; and so must the rows
+of a step asked for alone (output_rows: the last layer past its attention for those rows only). The model is a random
 one of SmolLM2's layer shapes (hidden 576, 9 query and 3 KV heads of 64, MLP 1536, tied embeddings) with 2 layers
 and a small vocabulary: the same kernel paths as the real model, at a tenth of its load (two loads per tier and
 dtype took most of tests/model's CPU).
@@ -79,6 +80,16 @@ def test_fused_decoder_equals_layer_by_layer(
         assert torch.equal(out_fused, out_eager)
         for cache_fused, cache_eager in zip(caches["fused"], caches["eager"], strict=True):
             assert cache_fused.dtype == cache_dtype and torch.equal(cache_fused, cache_eager)
+        # The step again (the same K/V rewritten), asking for a few rows: the last layer then runs past its
+        # attention for those only. Each sequence's last row, in reverse, one twice; then none.
+        ends = torch.tensor(q_lens).cumsum(0) - 1
+        for rows in (torch.cat([ends.flip(0), ends[:1]]), torch.zeros(0, dtype=torch.int64)):
+            with torch.inference_mode():
+                some_fused = fused(ids, positions, caches["fused"], attn, output_rows=rows)
+                some_eager = eager(ids, positions, caches["eager"], attn, output_rows=rows)
+            assert torch.equal(some_fused, out_fused[rows]) and torch.equal(some_eager, out_fused[rows])
+        for cache_fused, cache_eager in zip(caches["fused"], caches["eager"], strict=True):
+            assert torch.equal(cache_fused, cache_eager)  # every row's K/V still written in the last layer
     assert all(cache.any() for cache in caches["fused"])  # every layer wrote its K/V
 
 
