@@ -153,12 +153,26 @@ class LlamaModel(nn.Module):
         cos, sin = self.rotary_emb(positions, hidden.dtype)  # shared by every layer
         if self.fused_cpu is not None:  # the same layers in one C call (folio/model/cpu_fused.py)
             return self.fused_cpu.forward(hidden, cos, sin, kv_caches, attn, output_rows)
-        residual: torch.Tensor | None = None
+        hidden, residual = self.run_layers(hidden, None, cos, sin, kv_caches, attn, output_rows)
+        return self.norm.add_and_norm(hidden, residual)[0]
+
+    def run_layers(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        attn: AttnMetadata,
+        output_rows: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layers held here, layer by layer (LlamaDecoderLayer.forward's pair); the last one with
+        ``output_rows``."""
         last = len(self.layers) - 1
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             hidden, residual = layer(hidden, residual, cos, sin, kv_cache, attn, output_rows if i == last else None)
         assert residual is not None, "a model has at least one layer"
-        return self.norm.add_and_norm(hidden, residual)[0]
+        return hidden, residual
 
 
 class LlamaForCausalLM(nn.Module):

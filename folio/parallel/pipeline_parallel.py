@@ -130,10 +130,8 @@ class PipelineStageLlamaModel(LlamaModel):
                 positions.shape[0], self.pp_hidden_size, self.pp_dtype, self.pp_device
             )
         cos, sin = self.rotary_emb(positions, hidden.dtype)
-        last = len(self.layers) - 1 if stage.is_last else -1
-        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            hidden, residual = layer(hidden, residual, cos, sin, kv_cache, attn, output_rows if i == last else None)
-        assert residual is not None, "every stage holds at least one layer"
+        kept = output_rows if stage.is_last else None
+        hidden, residual = self.run_layers(hidden, residual, cos, sin, kv_caches, attn, kept)
         if not stage.is_last:
             stage.send_activations(hidden, residual)
             return hidden
