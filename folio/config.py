@@ -250,6 +250,7 @@ class EngineArgs:
     cpu_huge_pages: bool = True  # packed weights and KV cache on 2 MiB pages (off: faster start on some VMs)
     cpu_compact_weights: bool = True  # float32 weights that are exact 4-bit codes (GGUF Q4_1) kept as codes
     cpu_amx_float32: bool = True  # amx tier: GEMMs over those codes above a vector tile of rows on AMX, exact products
+    cpu_vnni_float32: bool = True  # VNNI without AMX: those GEMMs through vpdpbusd, x as 22-bit fixed point per group
     # {"backend": "auto" | "guidance" | "xgrammar"} (vLLM's name), or a StructuredOutputsConfig
     structured_outputs_config: StructuredOutputsConfig | dict[str, object] | None = None
     # {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n, "prompt_lookup_min": m} (vLLM's
@@ -365,6 +366,7 @@ class EngineArgs:
                 huge_pages=self.cpu_huge_pages,
                 compact_weights=self.cpu_compact_weights,
                 amx_float32=self.cpu_amx_float32,
+                vnni_float32=self.cpu_vnni_float32,
             ),
             structured_outputs_config=structured_outputs_config,
             speculative_config=speculative_config,

@@ -8,7 +8,8 @@ pages the bandwidth it reached was 25-32 GB/s against 31-52 GB/s with 2 MiB page
 A float32 weight whose every group of 32 k is exactly an offset plus 4-bit multiples of a step (a GGUF's Q4_1,
 dequantized) can be packed as those codes instead (``gemm_codes4.h``): the same products and sums, so the same
 bits out, from 6 bits a weight instead of 32. On the amx tier its GEMMs of more than a vector tile of rows can run
-on AMX instead (``gemm_codes4_amx.h``, ``PackedWeight.codes4_amx``): float32 accuracy, not the same bits.
+on AMX instead (``gemm_codes4_amx.h``, ``PackedWeight.codes4_amx``), in a library built with AVX512-VNNI and without
+AMX through vpdpbusd (``gemm_codes4_vnni.h``, ``PackedWeight.codes4_vnni``): float32 accuracy, not the same bits.
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ class PackedWeight:
     gemm: CpuGemm  # the library that packed it, and so the one that multiplies it
     codes4: bool = False  # a float32 weight kept as its exact 4-bit codes (gemm_codes4.h)
     codes4_amx: bool = False  # ... whose GEMMs above one vector tile of rows run on AMX (gemm_codes4_amx.h)
+    codes4_vnni: bool = False  # ... or through vpdpbusd (gemm_codes4_vnni.h)
 
 
 @dataclass(frozen=True)
@@ -136,6 +138,8 @@ class CpuGemm:
         self._gemm_codes4 = _bind(lib, "folio_gemm_codes4", self._gemm[torch.float32].argtypes, None)
         self._gemm_codes4_amx = _bind(lib, "folio_gemm_codes4_amx", self._gemm[torch.float32].argtypes, None)
         self.codes4_has_amx = bool(_bind(lib, "folio_gemm_codes4_has_amx", [], _int)())
+        self._gemm_codes4_vnni = _bind(lib, "folio_gemm_codes4_vnni", self._gemm[torch.float32].argtypes, None)
+        self.codes4_has_vnni = bool(_bind(lib, "folio_gemm_codes4_has_vnni", [], _int)())
         self._codes8_bytes = _bind(lib, "folio_gemm_packed_bytes_codes8", [_i64, _i64], _i64)
         self._pack_codes8 = _bind(lib, "folio_gemm_pack_codes8", [_ptr, _i64, _i64, _i64, _ptr], _int)
         # x, lda, packed, m, n, k, widened, out_ids, num_threads
@@ -166,11 +170,13 @@ class CpuGemm:
         huge_pages: bool = True,
         compact: list[bool] | None = None,
         amx_float32: bool = False,
+        vnni_float32: bool = False,
     ) -> list[PackedWeight]:
         """Packs every weight [n, k] (one dtype) into one arena, backed by huge pages where ``huge_pages``. A
         float32 weight whose ``compact`` entry is True is kept as 4-bit codes where it is exactly such codes
         (``PackedWeight.codes4``), else packed as float32 like the others. With ``amx_float32``, on a library
-        with AMX, the codes' GEMMs of more rows than a vector tile run on AMX (``PackedWeight.codes4_amx``)."""
+        with AMX, the codes' GEMMs of more rows than a vector tile run on AMX (``PackedWeight.codes4_amx``); with
+        ``vnni_float32``, on a library with VNNI (and no AMX), through vpdpbusd (``PackedWeight.codes4_vnni``)."""
         if not weights:
             return []
         dtype = weights[0].dtype
@@ -185,13 +191,14 @@ class CpuGemm:
             total += -(-self._packed_bytes(w, codes[-1]) // _ALIGN_BYTES) * _ALIGN_BYTES
         arena = empty_hugepage_backed(total, torch.uint8, huge_pages)
         amx_on = amx_float32 and self.codes4_has_amx
+        vnni_on = vnni_float32 and self.codes4_has_vnni
         packed = []
         for w, w_codes, offset in zip(weights, codes, offsets, strict=True):
             n, k = w.shape
             data = arena[offset : offset + self._packed_bytes(w, w_codes)]
             if w_codes is not None:
                 data.copy_(w_codes)
-                packed.append(PackedWeight(data, n, k, self, codes4=True, codes4_amx=amx_on))
+                packed.append(PackedWeight(data, n, k, self, codes4=True, codes4_amx=amx_on, codes4_vnni=vnni_on))
                 continue
             data = data.view(dtype)
             w = w.contiguous()
@@ -220,6 +227,7 @@ class CpuGemm:
             raise ValueError(f"a weight kept as 4-bit codes multiplies float32 activations, not {x.dtype}")
         if weight.codes4:
             gemm = self._gemm_codes4_amx if weight.codes4_amx else self._gemm_codes4
+            gemm = self._gemm_codes4_vnni if weight.codes4_vnni else gemm
         else:
             gemm = self._gemm[x.dtype]
         gemm(

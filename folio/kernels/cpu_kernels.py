@@ -48,6 +48,7 @@ class CpuKernels:
     huge_pages: bool = True  # packed weights on huge pages (an engine's choice: cpu_huge_pages)
     compact_weights: bool = True  # float32 weights that are exact 4-bit codes kept as codes (cpu_compact_weights)
     amx_float32: bool = True  # the codes' GEMMs above a vector tile of rows on AMX where built (cpu_amx_float32)
+    vnni_float32: bool = True  # ... through vpdpbusd where built with VNNI and no AMX (cpu_vnni_float32)
 
     @property
     def tier(self) -> IsaTier:

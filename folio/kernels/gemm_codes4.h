@@ -17,6 +17,9 @@
  *   k = 32 g + 2 p in its low nibble and of k = 32 g + 2 p + 1 in its high nibble, for column b * BLOCK_N + c.
  * K must be a multiple of 32; columns past N are zero (d = m = 0). */
 #define CODES4_GROUP 32
+/* gemm_body_codes4's `dot`: where more rows than one vector tile may run (llama_cpu.c's layer bits use the same) */
+#define CODES4_ON_AMX 16
+#define CODES4_ON_VNNI 32
 #define CODES4_GROUP_BYTES (BLOCK_N * (2 * (int64_t)sizeof(float) + CODES4_GROUP / 2))
 
 static inline int64_t codes4_block_bytes(int64_t k) { return k / CODES4_GROUP * CODES4_GROUP_BYTES; }
@@ -262,22 +265,29 @@ static void *thread_scratch(ThreadScratch *s, int64_t bytes) {
 static _Thread_local ThreadScratch codes4_scratch; /* each thread's widened float32 block (and the 8-bit arg-max's) */
 
 #include "gemm_codes4_amx.h"
+#include "gemm_codes4_vnni.h"
 
 /* gemm_body_f32 over codes: each work item widens its block once into the thread's float32 block (L2), then runs
- * the float32 tiles of its chunk's rows over it. The next block's codes are pulled toward L2 meanwhile. With `amx`
- * (the amx tier only), more rows than one vector tile run on AMX instead (gemm_codes4_amx.h): float32 accuracy,
- * not the float32 layout's bits. */
+ * the float32 tiles of its chunk's rows over it. The next block's codes are pulled toward L2 meanwhile. With `dot`
+ * (CODES4_ON_AMX on the amx tier, CODES4_ON_VNNI where built with VNNI and no AMX), more rows than one vector tile
+ * run on that unit instead (gemm_codes4_amx.h, gemm_codes4_vnni.h): float32 accuracy, not the float32 layout's
+ * bits. */
 static void gemm_body_codes4(const float *x, int64_t lda, const uint8_t *packed, const float *bias, void *out,
                              int out_is_bf16, int64_t ldc, int64_t m, int64_t n, int64_t k, SidePrefetch *side,
-                             int amx) {
+                             int dot) {
 #if GEMM_AMX
-    if (amx && m > TILE_M) {
+    if ((dot & CODES4_ON_AMX) && m > TILE_M) {
         gemm_body_codes4_amx(x, lda, packed, bias, out, out_is_bf16, ldc, m, n, k, side);
         return;
     }
-#else
-    (void)amx;
 #endif
+#if GEMM_VNNI
+    if ((dot & CODES4_ON_VNNI) && m > TILE_M) {
+        gemm_body_codes4_vnni(x, lda, packed, bias, out, out_is_bf16, ldc, m, n, k, side);
+        return;
+    }
+#endif
+    (void)dot;
     const Epilogue e = {out, out_is_bf16, ldc, bias, n, NULL, NULL, NULL};
     const int64_t blocks = num_blocks(n), chunks = (m + CHUNK_M - 1) / CHUNK_M;
     const int64_t chunk_rows = ((m + chunks - 1) / chunks + TILE_M - 1) / TILE_M * TILE_M;
@@ -321,7 +331,17 @@ void folio_gemm_codes4(const float *x, int64_t lda, const uint8_t *packed, const
 void folio_gemm_codes4_amx(const float *x, int64_t lda, const uint8_t *packed, const float *bias, void *out,
                            int out_is_bf16, int64_t ldc, int64_t m, int64_t n, int64_t k, int num_threads) {
 #pragma omp parallel num_threads(num_threads) if (num_blocks(n) * ((m + CHUNK_M - 1) / CHUNK_M) > 1)
-    gemm_body_codes4(x, lda, packed, bias, out, out_is_bf16, ldc, m, n, k, NULL, 1);
+    gemm_body_codes4(x, lda, packed, bias, out, out_is_bf16, ldc, m, n, k, NULL, CODES4_ON_AMX);
 }
 
 int folio_gemm_codes4_has_amx(void) { return GEMM_AMX; }
+
+/* folio_gemm_codes4 with more rows than one vector tile through vpdpbusd where this library has it
+ * (cpu_vnni_float32) */
+void folio_gemm_codes4_vnni(const float *x, int64_t lda, const uint8_t *packed, const float *bias, void *out,
+                            int out_is_bf16, int64_t ldc, int64_t m, int64_t n, int64_t k, int num_threads) {
+#pragma omp parallel num_threads(num_threads) if (num_blocks(n) * ((m + CHUNK_M - 1) / CHUNK_M) > 1)
+    gemm_body_codes4(x, lda, packed, bias, out, out_is_bf16, ldc, m, n, k, NULL, CODES4_ON_VNNI);
+}
+
+int folio_gemm_codes4_has_vnni(void) { return GEMM_VNNI; }

@@ -30,8 +30,9 @@ typedef struct {
     void *k_cache, *v_cache;
     int codes4; /* the projections kept as 4-bit codes (gemm_codes4.h), float32 models only: CODES4_* bits */
 } LlamaLayerParams;
-/* CODES4_AMX: those GEMMs run on AMX above one vector tile of rows (gemm_codes4_amx.h, cpu_amx_float32) */
-enum { CODES4_QKV = 1, CODES4_O = 2, CODES4_GATE_UP = 4, CODES4_DOWN = 8, CODES4_AMX = 16 };
+/* CODES4_ON_AMX / CODES4_ON_VNNI (gemm_codes4.h: 16, 32): those GEMMs run on AMX (cpu_amx_float32) or through
+ * vpdpbusd (cpu_vnni_float32) above one vector tile of rows */
+enum { CODES4_QKV = 1, CODES4_O = 2, CODES4_GATE_UP = 4, CODES4_DOWN = 8 };
 
 typedef struct {
     int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate;

@@ -57,7 +57,7 @@ int CAT(folio_llama_forward_, FORWARD_SUFFIX)(const LlamaModelParams *m, const L
 #else
 #define LAYER_GEMM(bit, x, lda, w, ...)                                                                          \
     if (p->codes4 & (bit))                                                                                       \
-        gemm_body_codes4(x, lda, (const uint8_t *)(w), __VA_ARGS__, p->codes4 & CODES4_AMX);                     \
+        gemm_body_codes4(x, lda, (const uint8_t *)(w), __VA_ARGS__, p->codes4 & (CODES4_ON_AMX | CODES4_ON_VNNI)); \
     else                                                                                                         \
         gemm_body_f32(x, lda, w, __VA_ARGS__);
 #endif

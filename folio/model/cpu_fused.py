@@ -117,6 +117,7 @@ class _Step(ctypes.Structure):
 
 _CODES4_BITS = (1, 2, 4, 8)  # LlamaLayerParams.codes4: q|k|v, o, gate|up, down kept as 4-bit codes (llama_cpu.c)
 _CODES4_AMX = 16  # ... and their GEMMs above a vector tile of rows on AMX (gemm_codes4_amx.h)
+_CODES4_VNNI = 32  # ... or through vpdpbusd (gemm_codes4_vnni.h)
 
 
 def _packed(module: Any) -> PackedWeight:
@@ -178,6 +179,8 @@ class FusedCpuDecoder:
             params.codes4 = sum(bit for bit, m in zip(_CODES4_BITS, projections, strict=True) if _packed(m).codes4)
             if any(_packed(m).codes4_amx for m in projections):
                 params.codes4 |= _CODES4_AMX
+            if any(_packed(m).codes4_vnni for m in projections):
+                params.codes4 |= _CODES4_VNNI
             bias = layer.self_attn.qkv_proj.bias
             if bias is not None:
                 self._keep.append(bias.detach().float().contiguous())

@@ -308,6 +308,7 @@ class Worker:
             huge_pages=cpu_config.huge_pages,
             compact_weights=cpu_config.compact_weights,
             amx_float32=cpu_config.amx_float32,
+            vnni_float32=cpu_config.vnni_float32,
         )
         check_cpu_dtype(kernels.plan.dtype_name, kernels.tier)
         eager = " (fused decoder off: enforce_eager)" if self.config.model_config.enforce_eager else ""

@@ -1,9 +1,10 @@
 """The default model's float32 weights kept as their 4-bit codes (cpu_compact_weights, folio/kernels/gemm_codes4.h):
 the same tokens and the same logprobs, bit for bit, as the float32 layout, through the fused decoder and layer by
 layer, greedy and seeded; and the tied Q8_0 LM head's greedy arg-max over its 8-bit codes, the same tokens.
-On the amx tier the codes' steps of more than 8 rows run on AMX (cpu_amx_float32, gemm_codes4_amx.h): float32
-accuracy, not the float32 layout's bits, so there the default engine is held to the float32 layout's greedy tokens
-(or the top-5 rule at a divergence) and logprobs within float32 noise, and the same engine without AMX to its bits.
+On the amx tier the codes' steps of more than 8 rows run on AMX (cpu_amx_float32, gemm_codes4_amx.h), in a native
+library with AVX512-VNNI and without AMX through vpdpbusd (cpu_vnni_float32, gemm_codes4_vnni.h): float32 accuracy,
+not the float32 layout's bits, so there the default engine is held to the float32 layout's greedy tokens (or the
+top-5 rule at a divergence) and logprobs within float32 noise, and the same engine without them to its bits.
 """
 
 from __future__ import annotations
@@ -80,11 +81,15 @@ def test_codes_give_the_float32_engines_outputs(llm: LLM, make_llm: Callable[...
 
     layer_by_layer = make_llm(enforce_eager=True)  # the codes through the per-layer GEMM calls, not the fused decoder
     assert all(p.codes4 for p in _packed_linears(layer_by_layer))
-    assert _outputs(layer_by_layer, prompts) == compact
-    if not any(p.codes4_amx for p in packed):
+    layer_outputs = _outputs(layer_by_layer, prompts)
+    if not any(p.codes4_amx or p.codes4_vnni for p in packed):
+        assert layer_outputs == compact
         assert float32_outputs == compact
         return
+    # above 8 rows on AMX or through vpdpbusd: the fused decoder runs its last layer past attention over only the
+    # rows that need logits (8 or fewer here: the FMA tiles) where the layer-by-layer run takes every row
+    _assert_float32_close(compact, layer_outputs)
     _assert_float32_close(float32_outputs, compact)
-    without_amx = make_llm(cpu_amx_float32=False)
-    assert not any(p.codes4_amx for p in _packed_linears(without_amx))
-    assert _outputs(without_amx, prompts) == float32_outputs
+    on_fma_tiles = make_llm(cpu_amx_float32=False, cpu_vnni_float32=False)
+    assert not any(p.codes4_amx or p.codes4_vnni for p in _packed_linears(on_fma_tiles))
+    assert _outputs(on_fma_tiles, prompts) == float32_outputs

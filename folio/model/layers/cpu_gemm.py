@@ -31,11 +31,12 @@ def pack_weights(weights: list[torch.Tensor], kernels: CpuKernels, compact: list
     """weights [out, in] (one dtype) -> opaque packed forms that only ``packed_linear`` reads, in order. Where the
     engine allows it (``kernels.compact_weights``), a weight whose ``compact`` entry is True (default: every
     weight) is kept as its 4-bit codes if it is exactly such codes (folio/kernels/gemm_codes4.h), multiplied on AMX
-    above a vector tile of rows where the tier has it and the engine allows it (``kernels.amx_float32``)."""
+    above a vector tile of rows where the tier has it and the engine allows it (``kernels.amx_float32``), else through
+    vpdpbusd where the library has VNNI and the engine allows it (``kernels.vnni_float32``)."""
     gemm = kernels.gemm
     if gemm is not None and all(CpuGemm.supports(w) for w in weights):
         allowed = [kernels.compact_weights and may for may in (compact or [True] * len(weights))]
-        return list(gemm.pack_all(weights, kernels.huge_pages, allowed, kernels.amx_float32))
+        return list(gemm.pack_all(weights, kernels.huge_pages, allowed, kernels.amx_float32, kernels.vnni_float32))
     return [torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), _ONEDNN_BATCH_HINT) for w in weights]
 
 
@@ -48,12 +49,15 @@ def codes_summary(model: torch.nn.Module) -> str | None:
         return None
     mib = sum(p.data.numel() for p in codes) / 2**20
     float32_mib = sum(p.n * p.k * 4 for p in codes) / 2**20
-    on_amx = sum(p.codes4_amx for p in codes)
-    how = (
-        f"; {on_amx} of them on AMX above 8 rows: exact products, float32 sums in another order (cpu_amx_float32)"
-        if on_amx
-        else ", the same outputs"
-    )
+    on_amx, on_vnni = sum(p.codes4_amx for p in codes), sum(p.codes4_vnni for p in codes)
+    how = ", the same outputs"
+    if on_amx:
+        how = f"; {on_amx} of them on AMX above 8 rows: exact products, float32 sums in another order (cpu_amx_float32)"
+    elif on_vnni:
+        how = (
+            f"; {on_vnni} of them through vpdpbusd above 8 rows: x rounded to 22 bits per group of 32, float32 "
+            "accuracy (cpu_vnni_float32)"
+        )
     return (
         f"{len(codes)} of {len(packed)} linear layers kept as their exact 4-bit codes: {mib:.1f} MiB instead of "
         f"{float32_mib:.1f} MiB in float32 (cpu_compact_weights){how}"
