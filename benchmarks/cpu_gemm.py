@@ -5,6 +5,7 @@
     .venv/bin/python benchmarks/cpu_gemm.py --onednn-max-isa AVX2             # oneDNN limited to AVX2 too
     .venv/bin/python benchmarks/cpu_gemm.py --dtypes float32,codes4 --rows 1,8,64
     .venv/bin/python benchmarks/cpu_gemm.py --dtypes float32,codes4,codes4_amx --tiers amx --rows 16,64,256,2048
+    .venv/bin/python benchmarks/cpu_gemm.py --dtypes codes4,codes4_vnni --rows 64,2048 --no-onednn
 
 ``codes4``: float32 weights that are exactly what a GGUF's Q4_1 tensors dequantize to (gguf's quantizer on random
 weights, then Folio's dequantizer), which Folio's GEMM keeps as their 4-bit codes (folio/kernels/gemm_codes4.h,
@@ -12,6 +13,9 @@ the engine's cpu_compact_weights) and oneDNN multiplies in float32: the same pro
 float32 layout's), from a sixth of the weight bytes. ``codes4_amx``: the same weights with the engine's
 cpu_amx_float32 (folio/kernels/gemm_codes4_amx.h): more rows than one vector tile on the amx tier's AMX tiles, x
 split into three exact bfloat16 parts (float32 accuracy, not the float32 layout's bits); other tiers as codes4.
+``codes4_vnni``: the same with cpu_vnni_float32 (folio/kernels/gemm_codes4_vnni.h): more rows than one vector tile
+through vpdpbusd where the tier's library has AVX512-VNNI (this CPU's own AVX-512 tier: -march=native); as codes4
+elsewhere.
 
 The projections of SmolLM2-135M (q|k|v, gate|up, down; o and the tied LM head with --shapes) at several row
 counts M (1-4: decode of a few requests, 64: W1's decode batch, 256-2048: prefill chunks). For M <= 64 thirty
@@ -66,9 +70,12 @@ def call_seconds(
 
 
 def folio_calls(
-    gemm: CpuGemm, weights: list[torch.Tensor], x: torch.Tensor, codes: bool = False, amx: bool = False
+    gemm: CpuGemm, weights: list[torch.Tensor], x: torch.Tensor, codes: bool = False, dot: str = ""
 ) -> list[Callable[[], None]]:
-    packed = gemm.pack_all(weights, compact=[codes] * len(weights), amx_float32=amx)
+    """One call per weight; ``dot`` "amx" or "vnni": the codes' GEMMs on that unit where the library has it."""
+    packed = gemm.pack_all(
+        weights, compact=[codes] * len(weights), amx_float32=dot == "amx", vnni_float32=dot == "vnni"
+    )
     if codes and not all(p.codes4 for p in packed):
         raise SystemExit("codes4: a weight was not kept as codes")
     return [functools.partial(gemm.linear, x, p, None) for p in packed]
@@ -92,7 +99,9 @@ def onednn_calls(weights: list[torch.Tensor], x: torch.Tensor) -> list[Callable[
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
-        "--dtypes", default="float32,bfloat16", help="comma-separated: float32, bfloat16, codes4, codes4_amx"
+        "--dtypes",
+        default="float32,bfloat16",
+        help="comma-separated: float32, bfloat16, codes4, codes4_amx, codes4_vnni",
     )
     parser.add_argument("--tiers", default="", help="comma-separated --cpu-isa tiers (default: avx2 up to this CPU's)")
     parser.add_argument("--rows", default="1,4,16,64,256,2048", help="comma-separated M values")
@@ -134,7 +143,8 @@ def main() -> None:
     print("GFLOP/s per shape: " + " / ".join([*names, "onednn"]))
     torch.manual_seed(0)
     for dtype_name in ns.dtypes.split(","):
-        codes = dtype_name in ("codes4", "codes4_amx")
+        codes = dtype_name.startswith("codes4")
+        dot = dtype_name.removeprefix("codes4").removeprefix("_")
         dtype = torch.float32 if codes else getattr(torch, dtype_name)
         for m in (int(v) for v in ns.rows.split(",")):
             cells = []
@@ -148,7 +158,7 @@ def main() -> None:
                     weights = [torch.randn(n, k).to(dtype) for _ in range(copies)]
                 x = torch.randn(m, k).to(dtype)
                 flops = 2 * m * n * k  # one call
-                runners = [folio_calls(gemm, weights, x, codes, dtype_name == "codes4_amx") for gemm in gemms.values()]
+                runners = [folio_calls(gemm, weights, x, codes, dot) for gemm in gemms.values()]
                 onednn = None if ns.no_onednn else onednn_calls(weights, x)
                 implementations = [*runners, *([onednn] if onednn is not None else [])]
                 seconds = call_seconds(implementations, ns.rounds, clock, statistics.median if ns.median else min)
