@@ -169,10 +169,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--cpu-vnni-float32",
         action=argparse.BooleanOptionalAction,
         default=d.cpu_vnni_float32,
-        help="CPU, float32, a kernel library built with AVX512-VNNI and without AMX (the avx512_bf16 tier of Zen 4 "
-        "and 5): run the GEMMs over weights kept as 4-bit codes (--cpu-compact-weights) through vpdpbusd where a "
-        "step has more rows than one vector tile (8), x as a 22-bit fixed point per group of 32 inputs in three "
-        "int8 parts: float32 accuracy but not the float32 layout's bits (default on; off: the FMA tiles)",
+        help="CPU, float32, a kernel library built with AVX512-VNNI and AVX512-BF16 and without AMX (the native "
+        "avx512_bf16 tier of Zen 4 and 5): run the GEMMs over weights kept as 4-bit codes (--cpu-compact-weights) "
+        "through vpdpbusd where a step has more rows than one vector tile (8), x as a 22-bit fixed point per group "
+        "of 32 inputs in three int8 parts: float32 accuracy but not the float32 layout's bits (default on; off: the "
+        "FMA tiles)",
     )
     g.add_argument(
         "--structured-outputs-config",

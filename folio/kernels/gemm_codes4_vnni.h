@@ -1,6 +1,8 @@
-/* The float32 GEMM over 4-bit codes through AVX512-VNNI's vpdpbusd (builds with VNNI and without AMX: the native
- * avx512_bf16 tier on Zen 4/5; cpu_vnni_float32): float32 accuracy from the integer dot-product unit. Included by
- * gemm_codes4.h, whose layout and scratch it reads.
+/* The float32 GEMM over 4-bit codes through AVX512-VNNI's vpdpbusd (builds with VNNI and AVX512-BF16 and without
+ * AMX: the native avx512_bf16 tier of Zen 4 / 5; cpu_vnni_float32): float32 accuracy from the integer dot-product
+ * unit. Included by gemm_codes4.h, whose layout and scratch it reads. Measured on Zen 5 only: Intel's parts with
+ * VNNI and without BF16 (Cascade Lake, Ice Lake; the avx512 tier) keep the FMA tiles until a session measures their
+ * vpdpbusd against their FMA (benchmarks/dot_instruction_rates.py).
  *
  * Why: on Zen 5 vpdpbusd runs at the float32 FMA's instruction rate with four times its multiply-adds, and the
  * integer ops and conversions around it issue on other pipes (benchmarks/dot_instruction_rates.py,
@@ -19,7 +21,7 @@
  * Per block: each group's codes are widened once into [k / 4][BLOCK_N][4] bytes (four consecutive k of one column
  * in one dword: vpdpbusd's layout) in the thread's scratch; a tile is 2 rows x the block's 3 vectors of 16 columns,
  * its 18 int32 sums and 6 float32 accumulators in registers. */
-#if defined(__AVX512VNNI__) && GEMM_VEC_BITS == 512 && !GEMM_AMX
+#if defined(__AVX512VNNI__) && defined(__AVX512BF16__) && GEMM_VEC_BITS == 512 && !GEMM_AMX
 #define GEMM_VNNI 1
 #define VNNI_TILE_M 2
 #define VNNI_WIDE_GROUP (CODES4_GROUP / 4 * BLOCK_N * 4) /* bytes of one group widened */
