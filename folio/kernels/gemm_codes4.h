@@ -269,9 +269,9 @@ static _Thread_local ThreadScratch codes4_scratch; /* each thread's widened floa
 
 /* gemm_body_f32 over codes: each work item widens its block once into the thread's float32 block (L2), then runs
  * the float32 tiles of its chunk's rows over it. The next block's codes are pulled toward L2 meanwhile. With `dot`
- * (CODES4_ON_AMX on the amx tier, CODES4_ON_VNNI where built with VNNI and no AMX), more rows than one vector tile
- * run on that unit instead (gemm_codes4_amx.h, gemm_codes4_vnni.h): float32 accuracy, not the float32 layout's
- * bits. */
+ * (CODES4_ON_AMX on the amx tier, CODES4_ON_VNNI where built with VNNI and BF16 and no AMX), more rows than one
+ * vector tile run on that unit instead (gemm_codes4_amx.h, gemm_codes4_vnni.h): float32 accuracy, not the float32
+ * layout's bits. */
 static void gemm_body_codes4(const float *x, int64_t lda, const uint8_t *packed, const float *bias, void *out,
                              int out_is_bf16, int64_t ldc, int64_t m, int64_t n, int64_t k, SidePrefetch *side,
                              int dot) {
