@@ -20,7 +20,8 @@
  *
  * Per block: each group's codes are widened once into [k / 4][BLOCK_N][4] bytes (four consecutive k of one column
  * in one dword: vpdpbusd's layout) in the thread's scratch; a tile is 2 rows x the block's 3 vectors of 16 columns,
- * its 18 int32 sums and 6 float32 accumulators in registers. */
+ * its 18 int32 sums and 6 float32 accumulators in registers. The block's row tiles pull the next block's codes
+ * toward L2 between them, as the FMA tiles do (W1's decode GEMMs 6-9% faster: docs/performance.md, session 49). */
 #if defined(__AVX512VNNI__) && defined(__AVX512BF16__) && GEMM_VEC_BITS == 512 && !GEMM_AMX
 #define GEMM_VNNI 1
 #define VNNI_TILE_M 2
@@ -88,10 +89,12 @@ static void codes4_vnni_widen_block(const uint8_t *src, int64_t k, uint8_t *dst)
 }
 
 /* rows (<= 2) x the block's 48 columns over K: per group, 8 steps of 4 k (3 code vectors, 2 rows x 3 limbs x 3
- * vectors of vpdpbusd), then each Q converted, times d, added on x's step, and m times the group's sum of x. */
+ * vectors of vpdpbusd), then each Q converted, times d, added on x's step, and m times the group's sum of x; and
+ * the tile's share of the next block's lines (nb), spread over the groups. */
 static void tile_codes4_vnni(const int8_t *limbs, const float *step, const float *sums, int64_t groups,
                              const uint8_t *block, const uint8_t *wide, int64_t rows, const Epilogue *e, int64_t row0,
-                             int64_t col0, SidePrefetch *sp) {
+                             int64_t col0, SidePrefetch *sp, NextBlock nb) {
+    const int64_t per_group = nb.next != NULL ? ((nb.end - nb.next) / 64 + groups - 1) / groups : 0;
     __m512 acc[VNNI_TILE_M][3];
     for (int r = 0; r < VNNI_TILE_M; ++r)
         for (int j = 0; j < 3; ++j) acc[r][j] = _mm512_setzero_ps();
@@ -126,6 +129,8 @@ static void tile_codes4_vnni(const int8_t *limbs, const float *step, const float
         }
         for (int line = 0; line < VNNI_SIDE_LINES && sp != NULL && sp->index < sp->count; ++line)
             side_prefetch_step(sp);
+        for (int64_t line = 0; line < per_group && nb.next < nb.end; ++line, nb.next += 64)
+            __builtin_prefetch(nb.next, 0, 2);
     }
     for (int r = 0; r < VNNI_TILE_M; ++r)
         if (r < rows)
@@ -159,10 +164,13 @@ static void gemm_body_codes4_vnni(const float *x, int64_t lda, const uint8_t *pa
             split_chunk = chunk;
         }
         codes4_vnni_widen_block(packed + b * block_bytes, k, wide);
+        const uint8_t *next = item + 1 < blocks * chunks ? packed + ((item + 1) % blocks) * block_bytes : NULL;
+        const int64_t ntiles = (row_end - row_start + VNNI_TILE_M - 1) / VNNI_TILE_M;
         for (int64_t row = row_start; row < row_end; row += VNNI_TILE_M) {
             const int64_t t = row - row_start;
+            const NextBlock nb = next_block_share(next, block_bytes, t / VNNI_TILE_M, ntiles);
             tile_codes4_vnni(limbs + t * groups * 3 * CODES4_GROUP, step + t * groups, sums + t * groups, groups,
-                             packed + b * block_bytes, wide, row_end - row, &e, row, b * BLOCK_N, side);
+                             packed + b * block_bytes, wide, row_end - row, &e, row, b * BLOCK_N, side, nb);
         }
     }
 }
