@@ -158,14 +158,14 @@ static void gemm_body_codes4_vnni(const float *x, int64_t lda, const uint8_t *pa
         const int64_t row_start = chunk * chunk_rows;
         const int64_t row_end = row_start + chunk_rows < m ? row_start + chunk_rows : m;
         if (row_end <= row_start) continue;
+        const int64_t ntiles = (row_end - row_start + VNNI_TILE_M - 1) / VNNI_TILE_M;
         if (chunk != split_chunk) {
-            const int64_t padded = (row_end - row_start + VNNI_TILE_M - 1) / VNNI_TILE_M * VNNI_TILE_M;
-            codes4_vnni_split(x + row_start * lda, lda, row_end - row_start, padded, k, limbs, step, sums);
+            codes4_vnni_split(x + row_start * lda, lda, row_end - row_start, ntiles * VNNI_TILE_M, k, limbs, step,
+                              sums);
             split_chunk = chunk;
         }
         codes4_vnni_widen_block(packed + b * block_bytes, k, wide);
         const uint8_t *next = item + 1 < blocks * chunks ? packed + ((item + 1) % blocks) * block_bytes : NULL;
-        const int64_t ntiles = (row_end - row_start + VNNI_TILE_M - 1) / VNNI_TILE_M;
         for (int64_t row = row_start; row < row_end; row += VNNI_TILE_M) {
             const int64_t t = row - row_start;
             const NextBlock nb = next_block_share(next, block_bytes, t / VNNI_TILE_M, ntiles);
