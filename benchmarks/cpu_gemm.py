@@ -24,6 +24,9 @@ they do in the engine; larger M is compute-bound and cycles through two. Each ti
 body for that tier (tested on every tier, whether or not the engine's plan chooses it there); oneDNN is measured
 in the same run, with whatever ISA it picks (``--onednn-max-isa`` caps it through ONEDNN_MAX_CPU_ISA, which
 oneDNN reads on its first use). Prints GFLOP/s of the fastest call (`--median`: the median one); nothing is asserted.
+Where codes4 and codes4_amx / codes4_vnni both ran, a last table gives each unit's time against the FMA tiles' on
+the same tier, row count and shape: a unit path exists only to beat them (session 50 found the VNNI entry point at
+0.63x after a change that only the fused decoder's A/B had timed).
 """
 
 from __future__ import annotations
@@ -142,6 +145,7 @@ def main() -> None:
     print(f"CPU {cpu_info()[0]} (best tier {native.flag_name}), {threads} threads, {timing}; oneDNN ISA: {onednn_isa}")
     print("GFLOP/s per shape: " + " / ".join([*names, "onednn"]))
     torch.manual_seed(0)
+    rates: dict[tuple[str, int, str], list[float]] = {}  # (dtype, M, shape) -> Folio's GFLOP/s per tier
     for dtype_name in ns.dtypes.split(","):
         codes = dtype_name.startswith("codes4")
         dot = dtype_name.removeprefix("codes4").removeprefix("_")
@@ -162,10 +166,26 @@ def main() -> None:
                 onednn = None if ns.no_onednn else onednn_calls(weights, x)
                 implementations = [*runners, *([onednn] if onednn is not None else [])]
                 seconds = call_seconds(implementations, ns.rounds, clock, statistics.median if ns.median else min)
+                rates[dtype_name, m, shape] = [flops / t / 1e9 for t in seconds[: len(runners)]]
                 figures = [f"{flops / t / 1e9:4.0f}" for t in seconds] + (["   -"] if onednn is None else [])
                 text = " / ".join(figures)
                 cells.append(f"{shape} {text}")
             print(f"{dtype_name:8s} M={m:5d}  " + "   ".join(cells), flush=True)
+    print_unit_ratios(rates, names)
+
+
+def print_unit_ratios(rates: dict[tuple[str, int, str], list[float]], tiers: list[str]) -> None:
+    """Each dot-product unit's GFLOP/s over the FMA tiles' (codes4) for the same tier, M and shape."""
+    units = sorted({d for d, _, _ in rates if d in ("codes4_amx", "codes4_vnni")})
+    if "codes4" not in {d for d, _, _ in rates} or not units:
+        return
+    print("unit / FMA tiles (codes4), per tier: " + " / ".join(tiers))
+    for unit in units:
+        for (dtype, m, shape), unit_rates in rates.items():
+            if dtype != unit or ("codes4", m, shape) not in rates:
+                continue
+            ratios = [u / f for u, f in zip(unit_rates, rates["codes4", m, shape], strict=True)]
+            print(f"{unit:12s} M={m:5d}  {shape:8s} " + " / ".join(f"{r:.2f}x" for r in ratios))
 
 
 if __name__ == "__main__":
