@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/w1_phases.py                      # bfloat16
     .venv/bin/python benchmarks/w1_phases.py --dtype float32 --repeats 1
     .venv/bin/python benchmarks/w1_phases.py --dtype float32 --cpu-isa avx2   # an AVX-512 CPU's AVX2 tier
+    .venv/bin/python benchmarks/w1_phases.py --dtype float32 --engine-args '{"cpu_kv_prefetch_bytes": 0}'
 
 W1 (64 prompts, 128 new tokens, greedy, EOS ignored, prefix caching off) through LLM.generate, with the fused
 decoder timing each phase of every step (folio/model/cpu_fused.py PHASES: norms, each projection, rotary + K/V
@@ -17,6 +18,7 @@ hold against `benchmarks/cpu_gemm.py`'s figure for the same shape.
 from __future__ import annotations
 
 import argparse
+import json
 import time
 
 from folio import LLM, SamplingParams
@@ -30,9 +32,21 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--repeats", type=int, default=2, help="timed W1 runs (the last one is shown in full)")
     parser.add_argument("--cpu-isa", default="auto", help="the engine's cpu_isa (auto, generic, avx2, avx512, ...)")
+    parser.add_argument(
+        "--engine-args",
+        default="{}",
+        help="more LLM(...) keywords as JSON, e.g. '{\"cpu_kv_prefetch_bytes\": 0}' (the side prefetch off)",
+    )
     ns = parser.parse_args()
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in load_w1(str(DEFAULT_W1_PATH), 64, 128)]
-    llm = LLM(dtype=ns.dtype, enable_prefix_caching=False, kv_cache_memory_bytes=2 << 30, cpu_isa=ns.cpu_isa)
+    engine_args = {
+        "dtype": ns.dtype,
+        "enable_prefix_caching": False,
+        "kv_cache_memory_bytes": 2 << 30,
+        "cpu_isa": ns.cpu_isa,
+        **json.loads(ns.engine_args),
+    }
+    llm = LLM(**engine_args)
     worker = llm.llm_engine.executor.worker
     fused = worker.model.model.fused_cpu
     if fused is None:
