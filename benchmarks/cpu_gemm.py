@@ -24,9 +24,9 @@ they do in the engine; larger M is compute-bound and cycles through two. Each ti
 body for that tier (tested on every tier, whether or not the engine's plan chooses it there); oneDNN is measured
 in the same run, with whatever ISA it picks (``--onednn-max-isa`` caps it through ONEDNN_MAX_CPU_ISA, which
 oneDNN reads on its first use). Prints GFLOP/s of the fastest call (`--median`: the median one); nothing is asserted.
-Where codes4 and codes4_amx / codes4_vnni both ran, a last table gives each unit's time against the FMA tiles' on
-the same tier, row count and shape: a unit path exists only to beat them (session 50 found the VNNI entry point at
-0.63x after a change that only the fused decoder's A/B had timed).
+Where codes4 and codes4_amx / codes4_vnni both ran, a last table gives each unit's rate over the FMA tiles' on the
+same tier, row count and shape: a unit path exists only to beat them (session 50 found the VNNI entry point at
+0.6x after a change that only the fused decoder's A/B had timed).
 """
 
 from __future__ import annotations

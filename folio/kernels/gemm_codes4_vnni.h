@@ -94,9 +94,10 @@ static void codes4_vnni_widen_block(const uint8_t *src, int64_t k, uint8_t *dst)
  * noipa: one copy for every caller. gcc cloned it per call site, and in the clone for folio_gemm_codes4_vnni (no
  * side prefetch: sp NULL) it kept the 18 sums on the stack (146 stack operands against 33), which halved that entry
  * point's speed (SmolLM2's gate|up at M = 64: 548 -> 273-300 GFLOP/s on Zen 5; docs/performance.md, session 50). */
-__attribute__((noipa)) static void tile_codes4_vnni(const int8_t *limbs, const float *step, const float *sums, int64_t groups,
-                             const uint8_t *block, const uint8_t *wide, int64_t rows, const Epilogue *e, int64_t row0,
-                             int64_t col0, SidePrefetch *sp, NextBlock nb) {
+__attribute__((noipa)) static void tile_codes4_vnni(const int8_t *limbs, const float *step, const float *sums,
+                                                    int64_t groups, const uint8_t *block, const uint8_t *wide,
+                                                    int64_t rows, const Epilogue *e, int64_t row0, int64_t col0,
+                                                    SidePrefetch *sp, NextBlock nb) {
     const int64_t per_group = nb.next != NULL ? ((nb.end - nb.next) / 64 + groups - 1) / groups : 0;
     __m512 acc[VNNI_TILE_M][3];
     for (int r = 0; r < VNNI_TILE_M; ++r)
