@@ -64,6 +64,7 @@ _REFERENCE_MODEL_TESTS = (
     "tests/engine/test_cuda.py",
     "tests/engine/test_engine_variants.py",
     "tests/engine/test_kv_cache_dtype.py",
+    "tests/engine/test_no_c_compiler.py",
 )
 # The modules whose tests send requests to tests/server/conftest.py's session-scoped default server: one unit, so
 # that one worker starts that server instead of each of the three (a server's start and its memory, twice over).
