@@ -21,17 +21,14 @@ REPO = Path(__file__).resolve().parents[2]
 ENGINE_SCRIPT = """
 import json, sys
 from folio import LLM, SamplingParams
+from tests.engine.greedy_compare import from_folio_output
 from tests.small_engine import SMALL_ENGINE
 prompts, max_tokens = json.load(open(sys.argv[1])), int(sys.argv[2])
 llm = LLM(device="cpu", dtype="float32", **SMALL_ENGINE)
 params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=5)
 outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-runs = []
-for out in outs:
-    c = out.outputs[0]
-    top5 = [sorted(sorted(step, key=lambda t: -step[t].logprob)[:5]) for step in c.logprobs]
-    runs.append({"token_ids": list(c.token_ids), "top5": top5})
-print(json.dumps(runs))
+runs = [from_folio_output(out) for out in outs]
+print(json.dumps([{"token_ids": r.token_ids, "top5": [sorted(s) for s in r.top5]} for r in runs]))
 """
 
 
