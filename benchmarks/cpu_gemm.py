@@ -6,6 +6,7 @@
     .venv/bin/python benchmarks/cpu_gemm.py --dtypes float32,codes4 --rows 1,8,64
     .venv/bin/python benchmarks/cpu_gemm.py --dtypes float32,codes4,codes4_amx --tiers amx --rows 16,64,256,2048
     .venv/bin/python benchmarks/cpu_gemm.py --dtypes codes4,codes4_vnni --rows 64,2048 --no-onednn
+    .venv/bin/python benchmarks/cpu_gemm.py --dtypes codes4,codes4_vnni --tiers avx2+avx_vnni --no-onednn
 
 ``codes4``: float32 weights that are exactly what a GGUF's Q4_1 tensors dequantize to (gguf's quantizer on random
 weights, then Folio's dequantizer), which Folio's GEMM keeps as their 4-bit codes (folio/kernels/gemm_codes4.h,
@@ -106,7 +107,12 @@ def main() -> None:
         default="float32,bfloat16",
         help="comma-separated: float32, bfloat16, codes4, codes4_amx, codes4_vnni",
     )
-    parser.add_argument("--tiers", default="", help="comma-separated --cpu-isa tiers (default: avx2 up to this CPU's)")
+    parser.add_argument(
+        "--tiers",
+        default="",
+        help="comma-separated --cpu-isa tiers (default: avx2 up to this CPU's); a tier may name extensions this CPU "
+        "has after '+' (avx2+avx_vnni: the avx2 library with AVX-VNNI, as Intel's client cores build it natively)",
+    )
     parser.add_argument("--rows", default="1,4,16,64,256,2048", help="comma-separated M values")
     parser.add_argument("--shapes", default="qkv,gate_up,down", help=f"comma-separated, of {', '.join(SHAPES)}")
     parser.add_argument("--onednn-max-isa", default="", help="sets ONEDNN_MAX_CPU_ISA (e.g. AVX2, AVX512_CORE)")
@@ -135,7 +141,8 @@ def main() -> None:
     names = ns.tiers.split(",") if ns.tiers else [t.flag_name for t in IsaTier if IsaTier.AVX2 <= t <= native]
     gemms = {}
     for name in names:
-        lib = load_kernel_library("cpu_kernels", IsaTier[name.upper()])
+        tier_name, *extensions = name.split("+")
+        lib = load_kernel_library("cpu_kernels", IsaTier[tier_name.upper()], tuple(extensions))
         if lib is None:
             raise SystemExit("no C compiler: the kernels are not built")
         gemms[name] = CpuGemm(lib)

@@ -50,6 +50,7 @@ INSTRUCTIONS = [
     ),
     DotInstruction("vfmadd231ps ymm", 256, 8, frozenset({"avx2", "fma"}), "vfmadd231ps {a}, {b}, {acc}"),
     DotInstruction("vpdpwssd ymm (AVX-VNNI)", 256, 16, frozenset({"avx_vnni"}), "%{{vex%}} vpdpwssd {a}, {b}, {acc}"),
+    DotInstruction("vpdpbusd ymm (AVX-VNNI)", 256, 32, frozenset({"avx_vnni"}), "%{{vex%}} vpdpbusd {a}, {b}, {acc}"),
     DotInstruction(
         "vpmaddwd + vpaddd ymm", 256, 16, frozenset({"avx2"}), "vpmaddwd {a}, {b}, {t}\\n\\tvpaddd {t}, {acc}, {acc}"
     ),

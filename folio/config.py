@@ -250,7 +250,7 @@ class EngineArgs:
     cpu_huge_pages: bool = True  # packed weights and KV cache on 2 MiB pages (off: faster start on some VMs)
     cpu_compact_weights: bool = True  # float32 weights that are exact 4-bit codes (GGUF Q4_1) kept as codes
     cpu_amx_float32: bool = True  # amx tier: GEMMs over those codes above a vector tile of rows on AMX, exact products
-    cpu_vnni_float32: bool = True  # VNNI + BF16, no AMX: those GEMMs through vpdpbusd, x 22-bit fixed point
+    cpu_vnni_float32: bool = True  # VNNI + BF16, no AMX, or AVX-VNNI at avx2: those GEMMs through vpdpbusd
     # {"backend": "auto" | "guidance" | "xgrammar"} (vLLM's name), or a StructuredOutputsConfig
     structured_outputs_config: StructuredOutputsConfig | dict[str, object] | None = None
     # {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n, "prompt_lookup_min": m} (vLLM's

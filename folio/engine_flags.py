@@ -170,8 +170,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=d.cpu_vnni_float32,
         help="CPU, float32, a kernel library built with AVX512-VNNI and AVX512-BF16 and without AMX (the native "
-        "avx512_bf16 tier of Zen 4 and 5): run the GEMMs over weights kept as 4-bit codes (--cpu-compact-weights) "
-        "through vpdpbusd where a step has more rows than one vector tile (8), x as a 22-bit fixed point per group "
+        "avx512_bf16 tier of Zen 4 and 5) or with AVX-VNNI at the avx2 tier (the native tier of Intel's client cores "
+        "since Alder Lake): run the GEMMs over weights kept as 4-bit codes (--cpu-compact-weights) through vpdpbusd "
+        "where a step has more rows than one vector tile (8; 4 at avx2), x as a 22-bit fixed point per group "
         "of 32 inputs in three int8 parts: float32 accuracy but not the float32 layout's bits (default on; off: the "
         "FMA tiles)",
     )

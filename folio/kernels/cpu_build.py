@@ -19,7 +19,15 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from folio.kernels.isa import IsaTier, compile_flags, cpu_info, detect_tier, is_x86_64
+from folio.kernels.isa import (
+    EXTENSION_FLAGS,
+    IsaTier,
+    check_extensions,
+    compile_flags,
+    cpu_info,
+    detect_tier,
+    is_x86_64,
+)
 from folio.logger import init_logger
 
 logger = init_logger()
@@ -61,9 +69,10 @@ def native_tier() -> IsaTier:
 
 
 @functools.cache
-def load_kernel_library(name: str, tier: IsaTier | None = None) -> ctypes.CDLL | None:
+def load_kernel_library(name: str, tier: IsaTier | None = None, extensions: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     """The library of ``folio/kernels/<name>.c`` compiled for ``tier`` (default: this CPU's best, which it must
-    not exceed), or None (with a warning) where it cannot be built.
+    not exceed), or None (with a warning) where it cannot be built. ``extensions`` (isa.EXTENSION_FLAGS) adds
+    instructions this CPU has to a lower tier's library: for tests and benchmarks, never the engine.
 
     Callers fall back to their torch path on None, so a machine without a C compiler still runs, only slower.
     """
@@ -71,7 +80,8 @@ def load_kernel_library(name: str, tier: IsaTier | None = None) -> ctypes.CDLL |
     tier = native if tier is None else tier
     if tier > native:
         raise ValueError(f"cannot build the {tier.flag_name} tier on a CPU whose best tier is {native.flag_name}")
-    flags = [*_CFLAGS, *compile_flags(tier, native, is_x86_64())]
+    check_extensions(tier, extensions, cpu_info()[1])
+    flags = [*_CFLAGS, *compile_flags(tier, native, is_x86_64(), extensions)]
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         logger.warning(
@@ -91,7 +101,8 @@ def load_kernel_library(name: str, tier: IsaTier | None = None) -> ctypes.CDLL |
         compiler.encode(),
     ):
         key.update(part)
-    target = _cache_dir() / f"{name}-{tier.flag_name}-{key.hexdigest()[:16]}.so"
+    label = "+".join([tier.flag_name, *extensions])
+    target = _cache_dir() / f"{name}-{label}-{key.hexdigest()[:16]}.so"
     try:
         if not target.exists():
             _compile(source, target, compiler, flags)
@@ -107,10 +118,20 @@ def build_every_tier() -> list[IsaTier]:
     returns the tiers whose library loaded. scripts/setup.sh runs it once, so that the processes a server or the
     tests start find every library built instead of compiling the same one at the same time (11 s of gcc for the
     native tier on an AMD EPYC here, 33 s for all four)."""
-    tiers = [tier for tier in IsaTier if tier <= native_tier()]
-    with ThreadPoolExecutor(max_workers=len(tiers)) as pool:  # each build is a gcc process: threads suffice
-        libraries = list(pool.map(lambda tier: load_kernel_library("cpu_kernels", tier), tiers))
-    return [tier for tier, lib in zip(tiers, libraries, strict=True) if lib is not None]
+    native = native_tier()
+    tiers = [tier for tier in IsaTier if tier <= native]
+    # and each extension this CPU has at its tier below the native one (the tests' avx2+avx_vnni library)
+    extended = [
+        (lowest, (name,))
+        for name, (lowest, _) in EXTENSION_FLAGS.items()
+        if name in cpu_info()[1] and lowest < native and is_x86_64()
+    ]
+    builds = [(tier, ()) for tier in tiers] + extended
+    with ThreadPoolExecutor(max_workers=len(builds)) as pool:  # each build is a gcc process: threads suffice
+        libraries = list(pool.map(lambda build: load_kernel_library("cpu_kernels", *build), builds))
+    return [
+        tier for (tier, extensions), lib in zip(builds, libraries, strict=True) if lib is not None and not extensions
+    ]
 
 
 if __name__ == "__main__":

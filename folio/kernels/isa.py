@@ -47,6 +47,11 @@ _MARCH: dict[IsaTier, list[str]] = {
     IsaTier.AMX: ["-march=x86-64-v4", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"],
 }
 CPU_ISA_CHOICES = ("auto", *(tier.flag_name for tier in IsaTier))
+# Instructions a library of a lower tier may add where this CPU has them (/proc/cpuinfo flag -> gcc flag), so that
+# the tests and benchmarks run a body that only some CPUs of that tier have (AVX-VNNI at the avx2 tier: Intel's
+# client cores since Alder Lake, whose own tier is avx2) on a CPU whose own tier is higher. The engine never asks
+# for one: a CPU's own tier builds with -march=native, which has them all.
+EXTENSION_FLAGS: dict[str, tuple[IsaTier, str]] = {"avx_vnni": (IsaTier.AVX2, "-mavxvnni")}
 
 
 @functools.cache
@@ -118,18 +123,33 @@ def resolve_cpu_isa(requested: str, flags: frozenset[str], x86_64: bool = True) 
     return tier
 
 
-def compile_flags(tier: IsaTier, native: IsaTier, x86_64: bool = True) -> list[str]:
-    """gcc's target flags for a library of ``tier`` on a CPU whose own tier is ``native``.
+def compile_flags(tier: IsaTier, native: IsaTier, x86_64: bool = True, extensions: tuple[str, ...] = ()) -> list[str]:
+    """gcc's target flags for a library of ``tier`` on a CPU whose own tier is ``native``, with ``extensions``
+    (``EXTENSION_FLAGS``' names, which the caller checked this CPU has).
 
     The CPU's own tier builds with -march=native (its exact tuning and any extra instructions, e.g. AVX512-VNNI);
     a lower tier builds for the generic x86-64 level, so it contains no instruction above that level and runs on
-    any CPU of the tier, tuned for this one.
+    any CPU of the tier, tuned for this one, plus the extensions asked for.
     """
     if not x86_64:
         return []  # generic C for the compiler's default target (aarch64 and others)
     if tier == native:
         return ["-march=native"]
-    return [*_MARCH[tier], "-mtune=native"]
+    return [*_MARCH[tier], *(EXTENSION_FLAGS[name][1] for name in extensions), "-mtune=native"]
+
+
+def check_extensions(tier: IsaTier, extensions: tuple[str, ...], flags: frozenset[str]) -> None:
+    """Raises ValueError unless each of ``extensions`` is known, this CPU has it, and ``tier`` can carry it."""
+    for name in extensions:
+        if name not in EXTENSION_FLAGS:
+            raise ValueError(f"unknown kernel extension {name!r}; known: {', '.join(EXTENSION_FLAGS)}")
+        lowest, _ = EXTENSION_FLAGS[name]
+        if name not in flags:
+            raise ValueError(f"kernel extension {name}: this CPU lacks it (CPU flags: {' '.join(sorted(flags))})")
+        if tier < lowest:
+            raise ValueError(
+                f"kernel extension {name} needs the {lowest.flag_name} tier or above, not {tier.flag_name}"
+            )
 
 
 # What each tier allows torch's own libraries (MKL, oneDNN, ATen's vectorised ops), by their environment variables.

@@ -7,7 +7,7 @@ import pytest
 from folio.kernels.cpu_build import build_every_tier, load_kernel_library, native_tier
 from folio.kernels.cpu_kernels import library_tier
 from folio.kernels.cpu_plan import FOLIO_MIN_TIER, KV_SIDE_PREFETCH_MIN_TIER, check_cpu_dtype, choose_cpu_plan
-from folio.kernels.isa import IsaTier, compile_flags, detect_tier, resolve_cpu_isa
+from folio.kernels.isa import IsaTier, check_extensions, compile_flags, detect_tier, resolve_cpu_isa
 
 ZEN3_FLAGS = frozenset(["sse4_2", "avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm"])
 XEON_FLAGS = ZEN3_FLAGS | frozenset(["avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"])
@@ -59,6 +59,25 @@ def test_compile_flags_native_only_for_the_cpus_own_tier() -> None:
     assert compile_flags(IsaTier.GENERIC, IsaTier.AVX2) == ["-march=x86-64", "-mtune=native"]
     # below an AMX CPU's own tier, avx512_bf16 is built without the tile instructions
     assert compile_flags(IsaTier.AVX512_BF16, IsaTier.AMX) == ["-march=x86-64-v4", "-mavx512bf16", "-mtune=native"]
+
+
+def test_an_extension_adds_its_instructions_to_a_lower_tier_only_where_the_cpu_has_them() -> None:
+    """Tests and benchmarks build the avx2 tier with AVX-VNNI (the body Intel's client cores build with
+    -march=native) on a CPU whose own tier is higher; -march=native already has it."""
+    with_vnni = ZEN5_FLAGS | {"avx_vnni"}
+    check_extensions(IsaTier.AVX2, ("avx_vnni",), with_vnni)
+    assert compile_flags(IsaTier.AVX2, IsaTier.AVX512_BF16, extensions=("avx_vnni",)) == [
+        "-march=x86-64-v3",
+        "-mavxvnni",
+        "-mtune=native",
+    ]
+    assert compile_flags(IsaTier.AVX2, IsaTier.AVX2, extensions=("avx_vnni",)) == ["-march=native"]
+    with pytest.raises(ValueError, match="kernel extension avx_vnni: this CPU lacks it"):
+        check_extensions(IsaTier.AVX2, ("avx_vnni",), ZEN5_FLAGS)
+    with pytest.raises(ValueError, match="kernel extension avx_vnni needs the avx2 tier or above, not generic"):
+        check_extensions(IsaTier.GENERIC, ("avx_vnni",), with_vnni)
+    with pytest.raises(ValueError, match="unknown kernel extension 'amx_int8'; known: avx_vnni"):
+        check_extensions(IsaTier.AVX2, ("amx_int8",), with_vnni)
 
 
 @pytest.mark.parametrize("tier", list(IsaTier), ids=lambda t: t.flag_name)

@@ -1,24 +1,27 @@
 """The float32 GEMM over 4-bit codes on a dot-product unit, above one vector tile of rows, in this CPU's own library:
 on AMX (folio/kernels/gemm_codes4_amx.h, cpu_amx_float32, the amx tier: x split into three bfloat16 parts, every
-product exact) or through AVX512-VNNI's vpdpbusd (folio/kernels/gemm_codes4_vnni.h, cpu_vnni_float32, a library
-with VNNI and without AMX: x rounded to a 22-bit fixed point per row and group of 32 k, exact integer products and
-sums). Float32 sums in another order, so each result is held to the float32 layout's own error against a float64
-product (plus x's rounding for VNNI), not to its bits; one vector tile of rows or fewer keeps the float32 layout's
-bits; a row's result does not depend on the rows beside it.
+product exact) or through vpdpbusd (folio/kernels/gemm_codes4_vnni.h, cpu_vnni_float32: AVX512-VNNI in a library
+with it and BF16 and without AMX, AVX-VNNI in a 256-bit library with it; x rounded to a 22-bit fixed point per row
+and group of 32 k, exact integer products and sums). Where this CPU has AVX-VNNI and its own tier is above avx2,
+the avx2 tier's library built with AVX-VNNI added runs the same tests: the body Intel's client cores build.
+Float32 sums in another order, so each result is held to the float32 layout's own error against a float64 product
+(plus x's rounding for VNNI), not to its bits; one vector tile of rows or fewer keeps the float32 layout's bits; a
+row's result does not depend on the rows beside it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import pytest
 import torch
 
-from folio.kernels.cpu_build import native_tier
+from folio.kernels.cpu_build import load_kernel_library, native_tier
 from folio.kernels.cpu_gemm import CpuGemm, PackedWeight
 from folio.kernels.cpu_kernels import load_cpu_kernels
-from folio.kernels.isa import IsaTier
+from folio.kernels.isa import IsaTier, cpu_info
 from folio.model.layers.cpu_gemm import codes_summary, pack_weights
 from tests.kernels.test_gemm_codes4 import _assert_same_bits, _edge_weight, _gemm, _grouped, _q4_1_weight
 
@@ -26,9 +29,32 @@ from tests.kernels.test_gemm_codes4 import _assert_same_bits, _edge_weight, _gem
 @dataclass(frozen=True)
 class DotUnit:
     name: str  # "amx" or "vnni": PackedWeight.codes4_<name>, CpuKernels.<name>_float32, pack_all's keyword
-    lower_tier: IsaTier  # a library of this tier multiplies the codes with its FMA tiles, whatever the engine asks
     x_bits: int  # x's bits kept per group below its largest power of two (0: x kept exactly)
     start_up: str  # what the start-up line says of the codes on the unit
+    # the unit's library: this CPU's own, or (extensions named) the avx2 tier's with those instructions added
+    # (isa.EXTENSION_FLAGS), the body a CPU whose own tier is avx2 builds natively (AVX-VNNI: Intel's client cores)
+    extensions: tuple[str, ...] = ()
+
+    def library(self) -> CpuGemm:
+        return _gemm_with(IsaTier.AVX2, self.extensions) if self.extensions else _gemm(native_tier())
+
+    def lower(self) -> CpuGemm:
+        """A library without the unit (the tier below, or the avx2 tier without the extensions): its FMA tiles
+        multiply the codes, whatever the engine asks."""
+        return _gemm(IsaTier.AVX2) if self.extensions else _gemm(IsaTier(native_tier() - 1))
+
+    def tile_rows(self) -> int:
+        """Rows of the library's vector tile: more go on the unit (8 in 512-bit libraries, 4 in 256-bit ones)."""
+        return 4 if self.extensions or native_tier() == IsaTier.AVX2 else 8
+
+    def available(self) -> bool:
+        if self.extensions:  # where the CPU's own tier is avx2, its native library is this build: VNNI tests it
+            if not set(self.extensions) <= cpu_info()[1] or native_tier() <= IsaTier.AVX2:
+                return False
+        elif native_tier() <= IsaTier.GENERIC:
+            return False
+        gemm = self.library()
+        return gemm.codes4_has_amx if self.name == "amx" else gemm.codes4_has_vnni
 
     def pack(self, gemm: CpuGemm, weights: list[torch.Tensor], compact: list[bool]) -> list[PackedWeight]:
         return gemm.pack_all(weights, compact=compact, **{f"{self.name}_float32": True})
@@ -37,30 +63,39 @@ class DotUnit:
         return bool(getattr(packed, f"codes4_{self.name}"))
 
 
-AMX = DotUnit("amx", IsaTier.AVX512_BF16, 0, "on AMX")
-VNNI = DotUnit("vnni", IsaTier.AVX512, 22, "through vpdpbusd")
+@functools.cache
+def _gemm_with(tier: IsaTier, extensions: tuple[str, ...]) -> CpuGemm:
+    lib = load_kernel_library("cpu_kernels", tier, extensions)
+    assert lib is not None, "the GEMM must build here (gcc is part of this machine and of CI)"
+    return CpuGemm(lib)
 
 
-def _native_has(unit: DotUnit) -> bool:
-    if native_tier() < IsaTier.AVX512:
-        return False
-    gemm = _gemm(native_tier())
-    return gemm.codes4_has_amx if unit is AMX else gemm.codes4_has_vnni
-
+AMX = DotUnit("amx", 0, "on AMX")
+VNNI = DotUnit("vnni", 22, "through vpdpbusd")
+AVX_VNNI = DotUnit("vnni", 22, "through vpdpbusd", extensions=("avx_vnni",))
 
 UNITS = [
-    pytest.param(AMX, id="amx", marks=pytest.mark.skipif(not _native_has(AMX), reason="AMX tiles: the amx tier only")),
+    pytest.param(AMX, id="amx", marks=pytest.mark.skipif(not AMX.available(), reason="AMX tiles: the amx tier only")),
     pytest.param(
         VNNI,
-        id="vnni",
-        marks=pytest.mark.skipif(not _native_has(VNNI), reason="a native library with AVX512-VNNI and without AMX"),
+        id="vnni-native",
+        marks=pytest.mark.skipif(
+            not VNNI.available(), reason="a native library with AVX512-VNNI and without AMX, or with AVX-VNNI"
+        ),
+    ),
+    pytest.param(
+        AVX_VNNI,
+        id="vnni-avx2+avx_vnni",
+        marks=pytest.mark.skipif(
+            not AVX_VNNI.available(), reason="a CPU with AVX-VNNI whose own tier is above avx2 (else: vnni-native)"
+        ),
     ),
 ]
 
 
 def _packed(unit: DotUnit, w: torch.Tensor) -> tuple[CpuGemm, PackedWeight, PackedWeight]:
-    """The native library, w in the float32 layout, and w as codes multiplied on the unit."""
-    gemm = _gemm(native_tier())
+    """The unit's library, w in the float32 layout, and w as codes multiplied on the unit."""
+    gemm = unit.library()
     [plain] = gemm.pack_all([w])
     [dot] = unit.pack(gemm, [w], [True])
     assert dot.codes4 and unit.on_unit(dot)
@@ -148,7 +183,7 @@ def test_outliers_stay_float32_accurate(unit: DotUnit) -> None:
 @pytest.mark.parametrize("unit", UNITS)
 def test_one_vector_tile_of_rows_keeps_the_float32_bits(unit: DotUnit) -> None:
     gemm, plain, dot = _packed(unit, _q4_1_weight(150, 128, seed=3))
-    for m in (1, 5, 8):
+    for m in (1, unit.tile_rows() // 2 + 1, unit.tile_rows()):
         x = torch.randn(m, 128)
         _assert_same_bits(gemm.linear(x, dot, None), gemm.linear(x, plain, None))
 
@@ -202,7 +237,7 @@ def test_non_finite_inputs_give_non_finite_rows(unit: DotUnit) -> None:
     _assert_same_bits(got[3:], clean[3:])
 
 
-@pytest.mark.skipif(not _native_has(AMX), reason="AMX tiles: the amx tier only")
+@pytest.mark.skipif(not AMX.available(), reason="AMX tiles: the amx tier only")
 def test_amx_tiles_are_configured_again_after_other_users() -> None:
     """The bfloat16 AMX GEMM and oneDNN set other tile shapes in the same threads between the codes' calls."""
     gemm, plain, amx = _packed(AMX, _q4_1_weight(96, 64, seed=6))
@@ -218,21 +253,24 @@ def test_amx_tiles_are_configured_again_after_other_users() -> None:
 @pytest.mark.parametrize("unit", UNITS)
 def test_the_engines_choice_and_the_tier_decide(unit: DotUnit) -> None:
     """pack_weights puts the codes on the unit only where the engine allows it (cpu_<unit>_float32) and the library
-    has the unit; a library of a lower tier multiplies them with its FMA tiles, whatever the engine asks."""
-    kernels = load_cpu_kernels(native_tier(), torch.float32)
-    assert kernels.gemm is not None and getattr(kernels, f"{unit.name}_float32")
+    has the unit; a library without it multiplies them with its FMA tiles, whatever the engine asks."""
     w = _q4_1_weight(24, 64, seed=9)
-    [on] = pack_weights([w], kernels)
-    [off] = pack_weights([w], dataclasses.replace(kernels, **{f"{unit.name}_float32": False}))
+    if unit.extensions:  # not a library the engine loads: the same choice through pack_all
+        [on], [off] = unit.pack(unit.library(), [w], [True]), unit.library().pack_all([w], compact=[True])
+    else:
+        kernels = load_cpu_kernels(native_tier(), torch.float32)
+        assert kernels.gemm is not None and getattr(kernels, f"{unit.name}_float32")
+        [on] = pack_weights([w], kernels)
+        [off] = pack_weights([w], dataclasses.replace(kernels, **{f"{unit.name}_float32": False}))
     assert unit.on_unit(on) and off.codes4 and not unit.on_unit(off)
-    [lower] = unit.pack(_gemm(unit.lower_tier), [w], [True])
+    [lower] = unit.pack(unit.lower(), [w], [True])
     assert lower.codes4 and not unit.on_unit(lower)
 
 
 @pytest.mark.parametrize("unit", UNITS)
 def test_the_start_up_line_says_which_codes_run_on_the_unit(unit: DotUnit) -> None:
     w = _q4_1_weight(24, 64, seed=10)
-    gemm = _gemm(native_tier())
+    gemm = unit.library()
     model = torch.nn.Sequential(torch.nn.Module(), torch.nn.Module())
     model[0].packed_weight, model[1].packed_weight = unit.pack(gemm, [w, w], [True, True])
     line = codes_summary(model)

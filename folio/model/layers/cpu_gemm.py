@@ -52,11 +52,14 @@ def codes_summary(model: torch.nn.Module) -> str | None:
     on_amx, on_vnni = sum(p.codes4_amx for p in codes), sum(p.codes4_vnni for p in codes)
     how = ", the same outputs"
     if on_amx:
-        how = f"; {on_amx} of them on AMX above 8 rows: exact products, float32 sums in another order (cpu_amx_float32)"
+        how = (
+            f"; {on_amx} of them on AMX above one vector tile of rows (8): exact products, float32 sums in another "
+            "order (cpu_amx_float32)"
+        )
     elif on_vnni:
         how = (
-            f"; {on_vnni} of them through vpdpbusd above 8 rows: x rounded to 22 bits per group of 32, float32 "
-            "accuracy (cpu_vnni_float32)"
+            f"; {on_vnni} of them through vpdpbusd above one vector tile of rows: x rounded to 22 bits per group of "
+            "32, float32 accuracy (cpu_vnni_float32)"
         )
     return (
         f"{len(codes)} of {len(packed)} linear layers kept as their exact 4-bit codes: {mib:.1f} MiB instead of "
