@@ -244,7 +244,9 @@ class EngineArgs:
     device: str = "auto"
     model_impl: str = "auto"  # "noop": engine-overhead benchmarks only (constant logits, no weights loaded)
     enforce_eager: bool = False  # layer by layer: no CUDA graphs on CUDA, no fused decoder on the CPU
-    cpu_isa: str = "auto"  # CPU kernels' ISA tier: auto, generic, avx2, avx512, avx512_bf16, amx (not above the CPU's)
+    cpu_isa: str = (
+        "auto"  # CPU kernels' tier: auto, generic, avx2, avx2+avx_vnni, avx512, avx512_bf16, amx (<= the CPU's)
+    )
     cpu_kv_prefetch_bytes: int | None = None  # fused CPU decoder's K/V prefetch budget (None: the CPU plan's)
     cpu_adaptive_threads: bool = True  # fewer kernel threads while other processes take cores
     cpu_huge_pages: bool = True  # packed weights and KV cache on 2 MiB pages (off: faster start on some VMs)

@@ -123,7 +123,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=d.cpu_isa,
         choices=CPU_ISA_CHOICES,
         help="CPU: the instruction-set tier the kernels are built for; auto (default) is this CPU's best, a lower "
-        "one runs the same engine as a CPU of that tier would (for tests, benchmarks and mixed fleets)",
+        "one runs the same engine as a CPU of that tier would (for tests, benchmarks and mixed fleets); avx2+avx_vnni "
+        "adds AVX-VNNI to the avx2 tier, as Intel's client cores build it, where this CPU has it",
     )
     g.add_argument(
         "--cpu-kv-prefetch-bytes",

@@ -5,14 +5,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from folio.kernels.isa import IsaTier, cpu_info, is_x86_64, resolve_cpu_isa
+from folio.kernels.isa import IsaTier, cpu_info, cpu_isa_extensions, is_x86_64, resolve_cpu_isa
 
 
 @dataclass
 class CpuConfig:
     """How the CPU kernels run (folio/kernels/): ignored on other devices."""
 
-    # the ISA tier the kernels are built for: "auto" (this CPU's best) or a lower one (folio/kernels/isa.py)
+    # the ISA tier the kernels are built for: "auto" (this CPU's best) or a lower one (folio/kernels/isa.py), with
+    # the extensions it names ("avx2+avx_vnni": an Intel client core's kernels on a CPU whose own tier is higher)
     isa: str = "auto"
     # bytes of the next layer's decode K/V that a layer's GEMMs prefetch in the fused decoder; None: the CPU plan's
     # choice (kv_side_prefetch: half the L3, or none)
@@ -28,9 +29,9 @@ class CpuConfig:
     # on the amx tier, the GEMMs over those codes of more rows than a vector tile run on AMX's bfloat16 tiles with
     # x split in three exact parts: every product exact, float32 sums in another order (gemm_codes4_amx.h)
     amx_float32: bool = True
-    # where the library has AVX512-VNNI and AVX512-BF16 and no AMX (the native avx512_bf16 tier of Zen 4 / 5),
-    # those GEMMs run through vpdpbusd with x as a 22-bit fixed point per group in three int8 limbs
-    # (gemm_codes4_vnni.h)
+    # where the library has AVX512-VNNI and AVX512-BF16 and no AMX (the native avx512_bf16 tier of Zen 4 / 5), or
+    # AVX-VNNI at the avx2 tier (Intel's client cores), those GEMMs run through vpdpbusd with x as a 22-bit fixed
+    # point per group in three int8 limbs (gemm_codes4_vnni.h)
     vnni_float32: bool = True
 
     def __post_init__(self) -> None:
@@ -40,3 +41,6 @@ class CpuConfig:
 
     def tier(self) -> IsaTier:
         return resolve_cpu_isa(self.isa, cpu_info()[1], is_x86_64())
+
+    def extensions(self) -> tuple[str, ...]:
+        return cpu_isa_extensions(self.isa)

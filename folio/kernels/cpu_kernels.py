@@ -49,6 +49,7 @@ class CpuKernels:
     compact_weights: bool = True  # float32 weights that are exact 4-bit codes kept as codes (cpu_compact_weights)
     amx_float32: bool = True  # the codes' GEMMs above a vector tile of rows on AMX where built (cpu_amx_float32)
     vnni_float32: bool = True  # ... through vpdpbusd where built with VNNI and no AMX (cpu_vnni_float32)
+    extensions: tuple[str, ...] = ()  # instructions added to a lower tier's library (``--cpu-isa avx2+avx_vnni``)
 
     @property
     def tier(self) -> IsaTier:
@@ -67,7 +68,8 @@ class CpuKernels:
     def describe(self) -> str:
         """The start-up log line: CPU model, tier and the implementation of each operation."""
         return (
-            f"CPU {cpu_info()[0]}: ISA tier {self.tier.flag_name} (this CPU's best: {native_tier().flag_name}); "
+            f"CPU {cpu_info()[0]}: ISA tier {'+'.join([self.tier.flag_name, *self.extensions])} (this CPU's best: "
+            f"{native_tier().flag_name}); "
             f"{self.plan.dtype_name} kernels: {self.plan.describe()}"
         )
 
@@ -80,8 +82,9 @@ def library_tier(lib: ctypes.CDLL) -> IsaTier:
 
 
 @functools.cache
-def load_cpu_kernels(tier: IsaTier | None, dtype: torch.dtype) -> CpuKernels:
-    """The kernels of ``tier`` (None: this CPU's best) for ``dtype`` (float32 or bfloat16), built on first use.
+def load_cpu_kernels(tier: IsaTier | None, dtype: torch.dtype, extensions: tuple[str, ...] = ()) -> CpuKernels:
+    """The kernels of ``tier`` (None: this CPU's best; with ``extensions``, isa.EXTENSION_FLAGS) for ``dtype``
+    (float32 or bfloat16), built on first use.
 
     The plan follows the tier the library reports, which is the one asked for unless the compiler could not
     target it (then a warning says so).
@@ -89,7 +92,7 @@ def load_cpu_kernels(tier: IsaTier | None, dtype: torch.dtype) -> CpuKernels:
     if dtype not in CPU_KERNEL_DTYPES:
         raise ValueError(f"CPU kernels run float32 or bfloat16, not {dtype}")
     tier = native_tier() if tier is None else tier
-    lib = load_kernel_library("cpu_kernels", tier)
+    lib = load_kernel_library("cpu_kernels", tier, extensions)
     built = tier if lib is None else library_tier(lib)
     if built != tier:
         logger.warning("the %s kernel library reports tier %s", tier.flag_name, built.flag_name)
@@ -101,4 +104,5 @@ def load_cpu_kernels(tier: IsaTier | None, dtype: torch.dtype) -> CpuKernels:
         gemm=CpuGemm(lib) if lib is not None and plan.gemm == "folio" else None,
         ops=CpuOps(lib, dtype) if lib is not None and plan.elementwise == "folio" else None,
         block_copy=CpuBlockCopy(lib) if lib is not None and plan.kv_block_copy == "folio" else aten_copy_blocks,
+        extensions=extensions,
     )

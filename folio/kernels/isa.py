@@ -46,12 +46,16 @@ _MARCH: dict[IsaTier, list[str]] = {
     IsaTier.AVX512_BF16: ["-march=x86-64-v4", "-mavx512bf16"],
     IsaTier.AMX: ["-march=x86-64-v4", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"],
 }
-CPU_ISA_CHOICES = ("auto", *(tier.flag_name for tier in IsaTier))
-# Instructions a library of a lower tier may add where this CPU has them (/proc/cpuinfo flag -> gcc flag), so that
-# the tests and benchmarks run a body that only some CPUs of that tier have (AVX-VNNI at the avx2 tier: Intel's
-# client cores since Alder Lake, whose own tier is avx2) on a CPU whose own tier is higher. The engine never asks
-# for one: a CPU's own tier builds with -march=native, which has them all.
+# Instructions a library of a lower tier may add where this CPU has them (/proc/cpuinfo flag -> (the tier it is
+# offered at, gcc flag)), so that tests and benchmarks run a body that only some CPUs of that tier have (AVX-VNNI at
+# the avx2 tier: Intel's client cores since Alder Lake, whose own tier is avx2) on a CPU whose own tier is higher:
+# ``--cpu-isa avx2+avx_vnni``. A CPU's own tier needs none: it builds with -march=native, which has them all.
 EXTENSION_FLAGS: dict[str, tuple[IsaTier, str]] = {"avx_vnni": (IsaTier.AVX2, "-mavxvnni")}
+CPU_ISA_CHOICES = (
+    "auto",
+    *(tier.flag_name for tier in IsaTier),
+    *(f"{tier.flag_name}+{name}" for name, (tier, _) in EXTENSION_FLAGS.items()),
+)
 
 
 @functools.cache
@@ -103,8 +107,14 @@ def detect_tier(flags: frozenset[str], x86_64: bool = True) -> IsaTier:
     return best
 
 
+def cpu_isa_extensions(requested: str) -> tuple[str, ...]:
+    """The extensions ``--cpu-isa`` names after its tier ("avx2+avx_vnni" -> ("avx_vnni",))."""
+    return tuple(requested.split("+")[1:])
+
+
 def resolve_cpu_isa(requested: str, flags: frozenset[str], x86_64: bool = True) -> IsaTier:
-    """``--cpu-isa`` -> the tier to build for: "auto" is the CPU's best; a named tier must not exceed it.
+    """``--cpu-isa`` -> the tier to build for: "auto" is the CPU's best; a named tier must not exceed it, and the
+    extensions it names (``cpu_isa_extensions``) must be this CPU's.
 
     Raises ValueError naming the flag, the choices, and what this CPU lacks.
     """
@@ -113,13 +123,17 @@ def resolve_cpu_isa(requested: str, flags: frozenset[str], x86_64: bool = True) 
         return native
     if requested not in CPU_ISA_CHOICES:
         raise ValueError(f"cpu_isa must be one of {', '.join(CPU_ISA_CHOICES)}; got {requested!r}")
-    tier = IsaTier[requested.upper()]
+    tier = IsaTier[requested.split("+")[0].upper()]
     if tier > native:
         missing = sorted({f for t in IsaTier if t <= tier for f in _REQUIRED_FLAGS[t]} - flags)
         raise ValueError(
             f"--cpu-isa {requested}: this CPU's best tier is {native.flag_name}; it lacks "
             f"{', '.join(missing) if missing else 'x86-64'} (CPU flags: {' '.join(sorted(flags)) or 'unknown'})"
         )
+    try:
+        check_extensions(tier, cpu_isa_extensions(requested), flags)
+    except ValueError as exc:
+        raise ValueError(f"--cpu-isa {requested}: {exc}") from None
     return tier
 
 

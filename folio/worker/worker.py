@@ -304,7 +304,7 @@ class Worker:
         # the library and plan are the process's (cached); where this engine's memory goes is its own
         cpu_config = self.config.cpu_config
         kernels = replace(
-            load_cpu_kernels(cpu_config.tier(), self.dtype),
+            load_cpu_kernels(cpu_config.tier(), self.dtype, cpu_config.extensions()),
             huge_pages=cpu_config.huge_pages,
             compact_weights=cpu_config.compact_weights,
             amx_float32=cpu_config.amx_float32,

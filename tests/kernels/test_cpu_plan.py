@@ -7,7 +7,14 @@ import pytest
 from folio.kernels.cpu_build import build_every_tier, load_kernel_library, native_tier
 from folio.kernels.cpu_kernels import library_tier
 from folio.kernels.cpu_plan import FOLIO_MIN_TIER, KV_SIDE_PREFETCH_MIN_TIER, check_cpu_dtype, choose_cpu_plan
-from folio.kernels.isa import IsaTier, check_extensions, compile_flags, detect_tier, resolve_cpu_isa
+from folio.kernels.isa import (
+    IsaTier,
+    check_extensions,
+    compile_flags,
+    cpu_isa_extensions,
+    detect_tier,
+    resolve_cpu_isa,
+)
 
 ZEN3_FLAGS = frozenset(["sse4_2", "avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm"])
 XEON_FLAGS = ZEN3_FLAGS | frozenset(["avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"])
@@ -48,8 +55,16 @@ def test_resolve_cpu_isa() -> None:
     lacks_amx = r"--cpu-isa amx: this CPU's best tier is avx512_bf16; it lacks amx_bf16, amx_tile"
     with pytest.raises(ValueError, match=lacks_amx):
         resolve_cpu_isa("amx", ZEN5_FLAGS)
-    with pytest.raises(ValueError, match="cpu_isa must be one of auto, generic, avx2, avx512, avx512_bf16, amx"):
+    choices = "cpu_isa must be one of auto, generic, avx2, avx512, avx512_bf16, amx, avx2\\+avx_vnni"
+    with pytest.raises(ValueError, match=choices):
         resolve_cpu_isa("sse", ZEN3_FLAGS)
+    # a tier with an extension: the tier, where this CPU has the extension
+    assert resolve_cpu_isa("avx2+avx_vnni", ZEN5_FLAGS | {"avx_vnni"}) == IsaTier.AVX2
+    assert cpu_isa_extensions("avx2+avx_vnni") == ("avx_vnni",) and cpu_isa_extensions("avx2") == ()
+    with pytest.raises(ValueError, match="--cpu-isa avx2\\+avx_vnni: kernel extension avx_vnni: this CPU lacks it"):
+        resolve_cpu_isa("avx2+avx_vnni", ZEN5_FLAGS)
+    with pytest.raises(ValueError, match="cpu_isa must be one of"):
+        resolve_cpu_isa("avx512+avx_vnni", ZEN5_FLAGS | {"avx_vnni"})
 
 
 def test_compile_flags_native_only_for_the_cpus_own_tier() -> None:
