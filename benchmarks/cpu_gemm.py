@@ -43,7 +43,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
-from folio.kernels.cpu_build import load_kernel_library, native_tier
+from folio.kernels.cpu_build import load_cpu_isa_library, native_tier
 from folio.kernels.cpu_gemm import CpuGemm
 from folio.kernels.isa import IsaTier, cpu_info
 from folio.model.gguf_dequant import dequantize_to_float32
@@ -141,8 +141,7 @@ def main() -> None:
     names = ns.tiers.split(",") if ns.tiers else [t.flag_name for t in IsaTier if IsaTier.AVX2 <= t <= native]
     gemms = {}
     for name in names:
-        tier_name, *extensions = name.split("+")
-        lib = load_kernel_library("cpu_kernels", IsaTier[tier_name.upper()], tuple(extensions))
+        lib = load_cpu_isa_library(name)
         if lib is None:
             raise SystemExit("no C compiler: the kernels are not built")
         gemms[name] = CpuGemm(lib)

@@ -26,7 +26,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
-from folio.kernels.cpu_build import load_kernel_library, native_tier
+from folio.kernels.cpu_build import load_cpu_isa_library, native_tier
 from folio.kernels.cpu_gemm import CpuGemm
 from folio.kernels.isa import IsaTier, cpu_info
 from folio.model.gguf_dequant import dequantize_to_float32
@@ -58,7 +58,11 @@ def paths(gemm: CpuGemm, w: torch.Tensor) -> dict[str, Callable[[torch.Tensor], 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tiers", default="", help="comma-separated --cpu-isa tiers (default: avx2 up to this CPU's)")
+    parser.add_argument(
+        "--tiers",
+        default="",
+        help="comma-separated --cpu-isa tiers (default: avx2 up to this CPU's), avx2+avx_vnni among them",
+    )
     parser.add_argument("--rows", default="1,8,16,32,64", help="comma-separated M values (at most 256)")
     parser.add_argument("--rounds", type=int, default=21, help="timed calls of each path")
     ns = parser.parse_args()
@@ -69,7 +73,7 @@ def main() -> None:
     print(f"CPU {cpu_info()[0]} (best tier {native.flag_name}), {torch.get_num_threads()} threads; LM head {VOCAB} x "
           f"{HIDDEN} (Q8_0 values); GFLOP/s of the median call, and the median per-round ratio to float32")  # fmt: skip
     for name in names:
-        lib = load_kernel_library("cpu_kernels", IsaTier[name.upper()])
+        lib = load_cpu_isa_library(name)
         if lib is None:
             raise SystemExit("no C compiler: the kernels are not built")
         runners = paths(CpuGemm(lib), w)

@@ -113,6 +113,13 @@ def load_kernel_library(name: str, tier: IsaTier | None = None, extensions: tupl
         return None
 
 
+def load_cpu_isa_library(cpu_isa: str) -> ctypes.CDLL | None:
+    """The kernel library of a ``--cpu-isa`` name other than auto, extensions included ("avx2+avx_vnni"): for
+    benchmarks that compare libraries side by side."""
+    tier_name, *extensions = cpu_isa.split("+")
+    return load_kernel_library("cpu_kernels", IsaTier[tier_name.upper()], tuple(extensions))
+
+
 def build_every_tier() -> list[IsaTier]:
     """Builds (or finds in the cache) the kernel library of every tier this CPU runs, the compilers side by side;
     returns the tiers whose library loaded. scripts/setup.sh runs it once, so that the processes a server or the

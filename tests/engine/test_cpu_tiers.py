@@ -15,7 +15,8 @@ import pytest
 from folio import LLM, SamplingParams
 from folio.bench.datasets import DEFAULT_W1_PATH, load_w1
 from folio.kernels.cpu_build import native_tier
-from folio.kernels.isa import IsaTier, cpu_info
+from folio.kernels.isa import IsaTier
+from tests.conftest import AVX_VNNI_BESIDE_NATIVE
 from tests.engine.conftest import assert_no_leaks, greedy_verdicts
 from tests.engine.greedy_compare import GreedyRun
 from tests.small_engine import SMALL_ENGINE
@@ -57,7 +58,7 @@ def test_each_tier_matches_transformers(
 
 
 @pytest.mark.skipif(
-    "avx_vnni" not in cpu_info()[1] or native_tier() <= IsaTier.AVX2,
+    not AVX_VNNI_BESIDE_NATIVE,
     reason="a CPU with AVX-VNNI whose own tier is above avx2 (where it is avx2, the native tier is this build)",
 )
 def test_avx2_with_avx_vnni_matches_transformers(

@@ -21,8 +21,9 @@ import torch
 from folio.kernels.cpu_build import load_kernel_library, native_tier
 from folio.kernels.cpu_gemm import CpuGemm, PackedWeight
 from folio.kernels.cpu_kernels import load_cpu_kernels
-from folio.kernels.isa import IsaTier, cpu_info
+from folio.kernels.isa import IsaTier
 from folio.model.layers.cpu_gemm import codes_summary, pack_weights
+from tests.conftest import AVX_VNNI_BESIDE_NATIVE
 from tests.kernels.test_gemm_codes4 import _assert_same_bits, _edge_weight, _gemm, _grouped, _q4_1_weight
 
 
@@ -48,10 +49,8 @@ class DotUnit:
         return 4 if self.extensions or native_tier() == IsaTier.AVX2 else 8
 
     def available(self) -> bool:
-        if self.extensions:  # where the CPU's own tier is avx2, its native library is this build: VNNI tests it
-            if not set(self.extensions) <= cpu_info()[1] or native_tier() <= IsaTier.AVX2:
-                return False
-        elif native_tier() <= IsaTier.GENERIC:
+        # (where the CPU's own tier is avx2 with AVX-VNNI, its native library is the extension's build: VNNI)
+        if (self.extensions and not AVX_VNNI_BESIDE_NATIVE) or native_tier() <= IsaTier.GENERIC:
             return False
         gemm = self.library()
         return gemm.codes4_has_amx if self.name == "amx" else gemm.codes4_has_vnni

@@ -10,6 +10,7 @@ bound cannot cover (NaN, inf, huge or all-zero rows) and candidate lists that ov
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -21,13 +22,35 @@ from folio.kernels.cpu_build import load_kernel_library
 from folio.kernels.cpu_gemm import Codes8Head, CpuGemm
 from folio.kernels.isa import IsaTier
 from folio.model.gguf_dequant import dequantize_to_float32
+from tests.conftest import AVX_VNNI_BESIDE_NATIVE, CPU_TIERS
 
 
 @functools.cache
-def _gemm(tier: IsaTier) -> CpuGemm:
-    lib = load_kernel_library("cpu_kernels", tier)
+def _gemm(tier: IsaTier, extensions: tuple[str, ...] = ()) -> CpuGemm:
+    lib = load_kernel_library("cpu_kernels", tier, extensions)
     assert lib is not None, "the GEMM must build here (gcc is part of this machine and of CI)"
     return CpuGemm(lib)
+
+
+@dataclass(frozen=True)
+class Library:
+    tier: IsaTier
+    extensions: tuple[str, ...] = ()
+
+    @property
+    def gemm(self) -> CpuGemm:
+        return _gemm(self.tier, self.extensions)
+
+
+# every tier, and the avx2 one with AVX-VNNI where this CPU has it above its own avx2 (vpdpwssd in place of
+# vpmaddwd + vpaddd: the screen Intel's client cores build)
+LIBRARIES = [Library(tier) for tier in CPU_TIERS] + ([Library(IsaTier.AVX2, ("avx_vnni",))] * AVX_VNNI_BESIDE_NATIVE)
+
+
+@pytest.fixture(params=LIBRARIES, ids=lambda lib: "+".join([lib.tier.flag_name, *lib.extensions]))
+def library(request: pytest.FixtureRequest) -> Library:
+    lib: Library = request.param
+    return lib
 
 
 def _q8_0_weight(n: int, k: int, seed: int, scale: float = 1.0) -> torch.Tensor:
@@ -65,14 +88,14 @@ def _expect(gemm: CpuGemm, tier: IsaTier, x: torch.Tensor, w: torch.Tensor, stat
     ("m", "n", "k"),
     [(1, 49, 32), (2, 1001, 64), (3, 100, 96), (5, 4801, 576), (7, 3001, 160), (64, 4801, 576), (256, 97, 64)],
 )
-def test_screened_ids_are_the_float32_ids(cpu_tier: IsaTier, m: int, n: int, k: int) -> None:
+def test_screened_ids_are_the_float32_ids(library: Library, m: int, n: int, k: int) -> None:
     """Every row tile (4 rows in assembly, 1-3 in C), blocks with a tail of columns, one group of k and many."""
     w = _q8_0_weight(n, k, seed=m * n + k, scale=0.05)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(k)) * 3.0
-    _expect(_gemm(cpu_tier), cpu_tier, x, w)
+    _expect(library.gemm, library.tier, x, w)
 
 
-def test_rounding_x_to_int16_cannot_hide_the_winner(cpu_tier: IsaTier) -> None:
+def test_rounding_x_to_int16_cannot_hide_the_winner(library: Library) -> None:
     """Column A (5) gets x_1 = 10.51 steps times 127/128, column B (100) x_2 = 11.4 steps times 120/128: float32
     says B (10.7 steps against 10.4), but both x round to 11 steps, so the screen's sums say A (11 x 127/128 against
     11 x 120/128). Only the bound's term for rounding x keeps B a candidate; without it the kernel returns A."""
@@ -87,28 +110,28 @@ def test_rounding_x_to_int16_cannot_hide_the_winner(cpu_tier: IsaTier) -> None:
     x[:, 0] = 1.0  # the row's largest magnitude: its step is 1 / 32767
     x[:, 1], x[:, 2] = 10.51 * step, 11.4 * step
     x[2:4, 0] = -1.0  # rows 2 and 3: the negative columns win instead
-    ids = _expect(_gemm(cpu_tier), cpu_tier, x, w)
-    if cpu_tier == IsaTier.AVX2:
+    ids = _expect(library.gemm, library.tier, x, w)
+    if library.tier == IsaTier.AVX2:
         assert ids[0].item() == ids[1].item() == ids[4].item() == 100  # the 4-row tile (rows 0-3) and the 1-row one
 
 
-def test_ties_pick_the_first_column_across_blocks_and_threads(cpu_tier: IsaTier) -> None:
+def test_ties_pick_the_first_column_across_blocks_and_threads(library: Library) -> None:
     w = _q8_0_weight(3000, 96, seed=1, scale=0.05)
     w[2950] = w[5]  # identical rows in the first and the last block: equal float32 logits
     w[1500] = w[5]
     x = torch.stack([w[5] * 40.0, w[2950] * 40.0 + torch.randn(96) * 1e-3, w[1500] * 40.0, -w[5]])
-    ids = _expect(_gemm(cpu_tier), cpu_tier, x, w)
-    if cpu_tier == IsaTier.AVX2:
+    ids = _expect(library.gemm, library.tier, x, w)
+    if library.tier == IsaTier.AVX2:
         assert ids[0].item() == ids[2].item() == 5
 
 
-def test_zero_rows_and_overflowing_candidates_take_the_exact_path(cpu_tier: IsaTier) -> None:
-    gemm = _gemm(cpu_tier)
-    ids = _expect(gemm, cpu_tier, torch.zeros(3, 64), _q8_0_weight(1000, 64, seed=4), status=1)
+def test_zero_rows_and_overflowing_candidates_take_the_exact_path(library: Library) -> None:
+    gemm = library.gemm
+    ids = _expect(gemm, library.tier, torch.zeros(3, 64), _q8_0_weight(1000, 64, seed=4), status=1)
     assert ids.numel() == 0 or ids.tolist() == [0, 0, 0]
     # 5000 equal columns: every one is a candidate, more than the slots hold
     w = _q8_0_weight(1, 64, seed=5).expand(5000, 64).contiguous()
-    ids = _expect(gemm, cpu_tier, torch.randn(2, 64), w, status=1)
+    ids = _expect(gemm, library.tier, torch.randn(2, 64), w, status=1)
     assert ids.numel() == 0 or ids.tolist() == [0, 0]
 
 
@@ -117,11 +140,11 @@ def test_zero_rows_and_overflowing_candidates_take_the_exact_path(cpu_tier: IsaT
     [(float("nan"), 1), (float("inf"), 1), (1e35, 1), (1e-40, 0)],  # 1e-40 is subnormal: an ordinary row
     ids=["nan", "inf", "huge", "subnormal"],
 )
-def test_extreme_rows(cpu_tier: IsaTier, fill: float, status: int) -> None:
+def test_extreme_rows(library: Library, fill: float, status: int) -> None:
     w = _q8_0_weight(700, 32, seed=6, scale=0.1)
     x = torch.randn(5, 32, generator=torch.Generator().manual_seed(7))
     x[1, 3] = fill
-    _expect(_gemm(cpu_tier), cpu_tier, x, w, status=status)
+    _expect(library.gemm, library.tier, x, w, status=status)
 
 
 def test_the_bounds_are_the_float64_ones_rounded_up() -> None:
@@ -136,10 +159,10 @@ def test_the_bounds_are_the_float64_ones_rounded_up() -> None:
     assert head.w_abs_max == 200.0 * (1 + 1e-6)
 
 
-def test_more_rows_than_a_chunk_is_not_run(cpu_tier: IsaTier) -> None:
-    gemm = _gemm(cpu_tier)
+def test_more_rows_than_a_chunk_is_not_run(library: Library) -> None:
+    gemm = library.gemm
     head = _head(gemm, _q8_0_weight(100, 32, seed=9))
     got, status = gemm.argmax_codes8_screened(torch.randn(257, 32), head)
-    assert got is None and status == (-1 if cpu_tier == IsaTier.AVX2 else -2)
+    assert got is None and status == (-1 if library.tier == IsaTier.AVX2 else -2)
     got, status = gemm.argmax_codes8_screened(torch.randn(3, 32).bfloat16(), head)
     assert got is None and status == -1
