@@ -244,15 +244,13 @@ class EngineArgs:
     device: str = "auto"
     model_impl: str = "auto"  # "noop": engine-overhead benchmarks only (constant logits, no weights loaded)
     enforce_eager: bool = False  # layer by layer: no CUDA graphs on CUDA, no fused decoder on the CPU
-    cpu_isa: str = (
-        "auto"  # CPU kernels' tier: auto, generic, avx2, avx2+avx_vnni, avx512, avx512_bf16, amx (<= the CPU's)
-    )
+    cpu_isa: str = "auto"  # CPU kernels' tier (<= the CPU's): auto, generic, avx2[+avx_vnni], avx512[+avx512_vnni], ...
     cpu_kv_prefetch_bytes: int | None = None  # fused CPU decoder's K/V prefetch budget (None: the CPU plan's)
     cpu_adaptive_threads: bool = True  # fewer kernel threads while other processes take cores
     cpu_huge_pages: bool = True  # packed weights and KV cache on 2 MiB pages (off: faster start on some VMs)
     cpu_compact_weights: bool = True  # float32 weights that are exact 4-bit codes (GGUF Q4_1) kept as codes
     cpu_amx_float32: bool = True  # amx tier: GEMMs over those codes above a vector tile of rows on AMX, exact products
-    cpu_vnni_float32: bool = True  # VNNI + BF16, no AMX, or AVX-VNNI at avx2: those GEMMs through vpdpbusd
+    cpu_vnni_float32: bool = True  # AVX512-VNNI without AMX, or AVX-VNNI at avx2: those GEMMs through vpdpbusd
     # {"backend": "auto" | "guidance" | "xgrammar"} (vLLM's name), or a StructuredOutputsConfig
     structured_outputs_config: StructuredOutputsConfig | dict[str, object] | None = None
     # {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n, "prompt_lookup_min": m} (vLLM's

@@ -124,7 +124,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         choices=CPU_ISA_CHOICES,
         help="CPU: the instruction-set tier the kernels are built for; auto (default) is this CPU's best, a lower "
         "one runs the same engine as a CPU of that tier would (for tests, benchmarks and mixed fleets); avx2+avx_vnni "
-        "adds AVX-VNNI to the avx2 tier, as Intel's client cores build it, where this CPU has it",
+        "and avx512+avx512_vnni add those instructions, as Intel's client cores and Cascade Lake / Ice Lake Xeons "
+        "build their tiers, where this CPU has them",
     )
     g.add_argument(
         "--cpu-kv-prefetch-bytes",
@@ -170,12 +171,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--cpu-vnni-float32",
         action=argparse.BooleanOptionalAction,
         default=d.cpu_vnni_float32,
-        help="CPU, float32, a kernel library built with AVX512-VNNI and AVX512-BF16 and without AMX (the native "
-        "avx512_bf16 tier of Zen 4 and 5) or with AVX-VNNI at the avx2 tier (the native tier of Intel's client cores "
-        "since Alder Lake): run the GEMMs over weights kept as 4-bit codes (--cpu-compact-weights) through vpdpbusd "
-        "where a step has more rows than one vector tile (8; 4 at avx2), x as a 22-bit fixed point per group "
-        "of 32 inputs in three int8 parts: float32 accuracy but not the float32 layout's bits (default on; off: the "
-        "FMA tiles)",
+        help="CPU, float32, a kernel library built with AVX512-VNNI and without AMX (the native avx512_bf16 tier of "
+        "Zen 4 and 5, the avx512 tier of Cascade Lake and Ice Lake) or with AVX-VNNI at the avx2 tier (the native "
+        "tier of Intel's client cores since Alder Lake): run the GEMMs over weights kept as 4-bit codes "
+        "(--cpu-compact-weights) through vpdpbusd where a step has more rows than one vector tile (8; 4 at avx2), "
+        "x as a 22-bit fixed point per group of 32 inputs in three int8 parts: float32 accuracy but not the float32 "
+        "layout's bits (default on; off: the FMA tiles)",
     )
     g.add_argument(
         "--structured-outputs-config",

@@ -26,16 +26,21 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from folio.kernels.cpu_build import native_tier
-from folio.kernels.isa import IsaTier, cpu_info
+from folio.kernels.isa import EXTENSION_FLAGS, IsaTier, cpu_info, is_x86_64
 from folio.model.loader import default_model_path as folio_default_model_path
 from folio.model.loader import load_tokenizer
 
 # Every ISA tier this CPU can run (generic and avx2 on any x86-64, avx512, avx512_bf16 and amx where present): the
 # kernel tests build the library once per tier and run the same assertions on each body; the test ids name the tier.
 CPU_TIERS = [tier for tier in IsaTier if tier <= native_tier()]
-# Where this CPU has AVX-VNNI above an avx2 tier of its own, the bodies Intel's client cores build natively (their
-# tier is avx2, with AVX-VNNI) run here too, through the avx2 library built with it (--cpu-isa avx2+avx_vnni).
-AVX_VNNI_BESIDE_NATIVE = "avx_vnni" in cpu_info()[1] and native_tier() > IsaTier.AVX2
+# The bodies some CPUs of a lower tier build natively (AVX-VNNI at avx2: Intel's client cores; AVX512-VNNI at
+# avx512: Cascade Lake, Ice Lake) run here too where this CPU has those instructions above that tier, through the
+# lower tier's library built with them (--cpu-isa avx2+avx_vnni, avx512+avx512_vnni): (tier, extensions) each.
+EXTENDED_LIBRARIES = [
+    (tier, (name,))
+    for name, (tier, _) in EXTENSION_FLAGS.items()
+    if name in cpu_info()[1] and tier < native_tier() and is_x86_64()
+]
 
 _COMPLETE_MARKER = ".complete"  # written last: a directory without it is a partial save and is rebuilt
 

@@ -29,8 +29,8 @@ class CpuConfig:
     # on the amx tier, the GEMMs over those codes of more rows than a vector tile run on AMX's bfloat16 tiles with
     # x split in three exact parts: every product exact, float32 sums in another order (gemm_codes4_amx.h)
     amx_float32: bool = True
-    # where the library has AVX512-VNNI and AVX512-BF16 and no AMX (the native avx512_bf16 tier of Zen 4 / 5), or
-    # AVX-VNNI at the avx2 tier (Intel's client cores), those GEMMs run through vpdpbusd with x as a 22-bit fixed
+    # where the library has AVX512-VNNI and no AMX (Zen 4 / 5, Cascade Lake, Ice Lake), or AVX-VNNI at the avx2
+    # tier (Intel's client cores), those GEMMs run through vpdpbusd with x as a 22-bit fixed
     # point per group in three int8 limbs (gemm_codes4_vnni.h)
     vnni_float32: bool = True
 

@@ -1,10 +1,11 @@
-/* The float32 GEMM over 4-bit codes through vpdpbusd: AVX512-VNNI (512-bit builds with VNNI and AVX512-BF16 and
- * without AMX: the native avx512_bf16 tier of Zen 4 / 5) or AVX-VNNI (256-bit builds with it: the native avx2 tier
- * of Intel's client cores since Alder Lake and of its E-core Xeons; cpu_vnni_float32): float32 accuracy from the
- * integer dot-product unit. Included by gemm_codes4.h, whose layout and scratch it reads. Measured on Zen 5 only
- * (its zmm, and its ymm through a test build with -mavxvnni): Intel's parts with AVX512-VNNI and without BF16
- * (Cascade Lake, Ice Lake; the avx512 tier) keep the FMA tiles until a session measures their vpdpbusd against their
- * FMA (benchmarks/dot_instruction_rates.py).
+/* The float32 GEMM over 4-bit codes through vpdpbusd: AVX512-VNNI (512-bit builds with it and without AMX: the
+ * native avx512_bf16 tier of Zen 4 / 5, the native avx512 tier of Cascade Lake and Ice Lake Xeons) or AVX-VNNI
+ * (256-bit builds with it: the native avx2 tier of Intel's client cores since Alder Lake and of its E-core Xeons;
+ * cpu_vnni_float32): float32 accuracy from the integer dot-product unit. Included by gemm_codes4.h, whose layout and
+ * scratch it reads. Measured on Zen 5 only (the Intel bodies through test builds with -mavx512vnni / -mavxvnni at
+ * the avx512 / avx2 tier, --cpu-isa avx512+avx512_vnni / avx2+avx_vnni): a session on an Intel part should check
+ * its vpdpbusd against its FMA (benchmarks/dot_instruction_rates.py; Intel's port tables put both at two a cycle on
+ * parts with two FMA units) and the GEMMs (benchmarks/cpu_gemm.py); --no-cpu-vnni-float32 is the way back.
  *
  * Why: on Zen 5 vpdpbusd runs at the float32 FMA's instruction rate with four times its multiply-adds, at either
  * width, and the integer ops and conversions around it issue on other pipes (benchmarks/dot_instruction_rates.py,
@@ -26,7 +27,7 @@
  * columns, its 9 VNNI_TILE_M int32 sums and 3 VNNI_TILE_M float32 accumulators in registers (2 rows in 32 zmm, 1
  * row in 16 ymm). The block's row tiles pull the next block's codes toward L2 between them, as the FMA tiles do
  * (W1's decode GEMMs 6-9% faster: docs/performance.md, session 49). */
-#if GEMM_VEC_BITS == 512 && defined(__AVX512VNNI__) && defined(__AVX512BF16__) && !GEMM_AMX
+#if GEMM_VEC_BITS == 512 && defined(__AVX512VNNI__) && !GEMM_AMX
 #define VNNI_TILE_M 2
 typedef __m512i vn_i32;
 #define vn_zero() _mm512_setzero_si512()

@@ -48,9 +48,13 @@ _MARCH: dict[IsaTier, list[str]] = {
 }
 # Instructions a library of a lower tier may add where this CPU has them (/proc/cpuinfo flag -> (the tier it is
 # offered at, gcc flag)), so that tests and benchmarks run a body that only some CPUs of that tier have (AVX-VNNI at
-# the avx2 tier: Intel's client cores since Alder Lake, whose own tier is avx2) on a CPU whose own tier is higher:
-# ``--cpu-isa avx2+avx_vnni``. A CPU's own tier needs none: it builds with -march=native, which has them all.
-EXTENSION_FLAGS: dict[str, tuple[IsaTier, str]] = {"avx_vnni": (IsaTier.AVX2, "-mavxvnni")}
+# the avx2 tier: Intel's client cores since Alder Lake, whose own tier is avx2; AVX512-VNNI at the avx512 tier:
+# Cascade Lake and Ice Lake) on a CPU whose own tier is higher: ``--cpu-isa avx2+avx_vnni``. A CPU's own tier needs
+# none: it builds with -march=native, which has them all.
+EXTENSION_FLAGS: dict[str, tuple[IsaTier, str]] = {
+    "avx_vnni": (IsaTier.AVX2, "-mavxvnni"),
+    "avx512_vnni": (IsaTier.AVX512, "-mavx512vnni"),  # Cascade Lake, Ice Lake: their own tier is avx512
+}
 CPU_ISA_CHOICES = (
     "auto",
     *(tier.flag_name for tier in IsaTier),

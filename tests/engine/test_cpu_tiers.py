@@ -16,7 +16,7 @@ from folio import LLM, SamplingParams
 from folio.bench.datasets import DEFAULT_W1_PATH, load_w1
 from folio.kernels.cpu_build import native_tier
 from folio.kernels.isa import IsaTier
-from tests.conftest import AVX_VNNI_BESIDE_NATIVE
+from tests.conftest import EXTENDED_LIBRARIES
 from tests.engine.conftest import assert_no_leaks, greedy_verdicts
 from tests.engine.greedy_compare import GreedyRun
 from tests.small_engine import SMALL_ENGINE
@@ -57,16 +57,18 @@ def test_each_tier_matches_transformers(
     _matches_transformers(cpu_tier.flag_name, tokenizer, hf_reference, caplog, prompts)
 
 
-@pytest.mark.skipif(
-    not AVX_VNNI_BESIDE_NATIVE,
-    reason="a CPU with AVX-VNNI whose own tier is above avx2 (where it is avx2, the native tier is this build)",
+@pytest.mark.parametrize(
+    "cpu_isa", ["+".join([tier.flag_name, *extensions]) for tier, extensions in EXTENDED_LIBRARIES] or ["none"]
 )
-def test_avx2_with_avx_vnni_matches_transformers(
-    tokenizer: Any, hf_reference: list[GreedyRun], caplog: pytest.LogCaptureFixture
+def test_a_lower_tier_with_this_cpus_extensions_matches_transformers(
+    cpu_isa: str, tokenizer: Any, hf_reference: list[GreedyRun], caplog: pytest.LogCaptureFixture
 ) -> None:
-    """--cpu-isa avx2+avx_vnni: the kernels an Intel client core builds natively, the codes' GEMMs of more than 4
-    rows through 256-bit vpdpbusd (gemm_codes4_vnni.h), in the fused decoder."""
-    lines = _matches_transformers("avx2+avx_vnni", tokenizer, hf_reference, caplog, None)
+    """--cpu-isa avx2+avx_vnni / avx512+avx512_vnni: the kernels an Intel client core or a Cascade Lake / Ice Lake
+    Xeon builds natively, the codes' GEMMs of more than one vector tile of rows through vpdpbusd
+    (gemm_codes4_vnni.h), in the fused decoder."""
+    if cpu_isa == "none":
+        pytest.skip("this CPU has no extension above a lower tier (tests/conftest.py EXTENDED_LIBRARIES)")
+    lines = _matches_transformers(cpu_isa, tokenizer, hf_reference, caplog, None)
     assert any("through vpdpbusd above one vector tile of rows" in line for line in lines), lines
 
 

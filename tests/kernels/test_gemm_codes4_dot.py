@@ -23,7 +23,7 @@ from folio.kernels.cpu_gemm import CpuGemm, PackedWeight
 from folio.kernels.cpu_kernels import load_cpu_kernels
 from folio.kernels.isa import IsaTier
 from folio.model.layers.cpu_gemm import codes_summary, pack_weights
-from tests.conftest import AVX_VNNI_BESIDE_NATIVE
+from tests.conftest import EXTENDED_LIBRARIES
 from tests.kernels.test_gemm_codes4 import _assert_same_bits, _edge_weight, _gemm, _grouped, _q4_1_weight
 
 
@@ -32,25 +32,25 @@ class DotUnit:
     name: str  # "amx" or "vnni": PackedWeight.codes4_<name>, CpuKernels.<name>_float32, pack_all's keyword
     x_bits: int  # x's bits kept per group below its largest power of two (0: x kept exactly)
     start_up: str  # what the start-up line says of the codes on the unit
-    # the unit's library: this CPU's own, or (extensions named) the avx2 tier's with those instructions added
-    # (isa.EXTENSION_FLAGS), the body a CPU whose own tier is avx2 builds natively (AVX-VNNI: Intel's client cores)
+    # the unit's library: this CPU's own (tier None), or a lower tier's with the instructions `extensions` adds
+    # (isa.EXTENSION_FLAGS): the body a CPU whose own tier that is builds natively (tests/conftest.py)
+    tier: IsaTier | None = None
     extensions: tuple[str, ...] = ()
 
     def library(self) -> CpuGemm:
-        return _gemm_with(IsaTier.AVX2, self.extensions) if self.extensions else _gemm(native_tier())
+        return _gemm(native_tier()) if self.tier is None else _gemm_with(self.tier, self.extensions)
 
     def lower(self) -> CpuGemm:
-        """A library without the unit (the tier below, or the avx2 tier without the extensions): its FMA tiles
+        """A library without the unit (the tier below, or the same tier without the extensions): its FMA tiles
         multiply the codes, whatever the engine asks."""
-        return _gemm(IsaTier.AVX2) if self.extensions else _gemm(IsaTier(native_tier() - 1))
+        return _gemm(IsaTier(native_tier() - 1)) if self.tier is None else _gemm(self.tier)
 
     def tile_rows(self) -> int:
         """Rows of the library's vector tile: more go on the unit (8 in 512-bit libraries, 4 in 256-bit ones)."""
-        return 4 if self.extensions or native_tier() == IsaTier.AVX2 else 8
+        return 8 if (native_tier() if self.tier is None else self.tier) >= IsaTier.AVX512 else 4
 
     def available(self) -> bool:
-        # (where the CPU's own tier is avx2 with AVX-VNNI, its native library is the extension's build: VNNI)
-        if (self.extensions and not AVX_VNNI_BESIDE_NATIVE) or native_tier() <= IsaTier.GENERIC:
+        if native_tier() <= IsaTier.GENERIC:
             return False
         gemm = self.library()
         return gemm.codes4_has_amx if self.name == "amx" else gemm.codes4_has_vnni
@@ -71,7 +71,7 @@ def _gemm_with(tier: IsaTier, extensions: tuple[str, ...]) -> CpuGemm:
 
 AMX = DotUnit("amx", 0, "on AMX")
 VNNI = DotUnit("vnni", 22, "through vpdpbusd")
-AVX_VNNI = DotUnit("vnni", 22, "through vpdpbusd", extensions=("avx_vnni",))
+EXTENDED_VNNI = [DotUnit("vnni", 22, "through vpdpbusd", tier, extensions) for tier, extensions in EXTENDED_LIBRARIES]
 
 UNITS = [
     pytest.param(AMX, id="amx", marks=pytest.mark.skipif(not AMX.available(), reason="AMX tiles: the amx tier only")),
@@ -82,13 +82,7 @@ UNITS = [
             not VNNI.available(), reason="a native library with AVX512-VNNI and without AMX, or with AVX-VNNI"
         ),
     ),
-    pytest.param(
-        AVX_VNNI,
-        id="vnni-avx2+avx_vnni",
-        marks=pytest.mark.skipif(
-            not AVX_VNNI.available(), reason="a CPU with AVX-VNNI whose own tier is above avx2 (else: vnni-native)"
-        ),
-    ),
+    *(pytest.param(unit, id="vnni-" + "+".join([unit.tier.flag_name, *unit.extensions])) for unit in EXTENDED_VNNI),
 ]
 
 
@@ -254,7 +248,7 @@ def test_the_engines_choice_and_the_tier_decide(unit: DotUnit) -> None:
     """pack_weights puts the codes on the unit only where the engine allows it (cpu_<unit>_float32) and the library
     has the unit; a library without it multiplies them with its FMA tiles, whatever the engine asks."""
     w = _q4_1_weight(24, 64, seed=9)
-    if unit.extensions:  # not a library the engine loads: the same choice through pack_all
+    if unit.tier is not None:  # not the library the engine loads by default: the same choice through pack_all
         [on], [off] = unit.pack(unit.library(), [w], [True]), unit.library().pack_all([w], compact=[True])
     else:
         kernels = load_cpu_kernels(native_tier(), torch.float32)

@@ -22,7 +22,7 @@ from folio.kernels.cpu_build import load_kernel_library
 from folio.kernels.cpu_gemm import Codes8Head, CpuGemm
 from folio.kernels.isa import IsaTier
 from folio.model.gguf_dequant import dequantize_to_float32
-from tests.conftest import AVX_VNNI_BESIDE_NATIVE, CPU_TIERS
+from tests.conftest import CPU_TIERS, EXTENDED_LIBRARIES
 
 
 @functools.cache
@@ -42,9 +42,9 @@ class Library:
         return _gemm(self.tier, self.extensions)
 
 
-# every tier, and the avx2 one with AVX-VNNI where this CPU has it above its own avx2 (vpdpwssd in place of
-# vpmaddwd + vpaddd: the screen Intel's client cores build)
-LIBRARIES = [Library(tier) for tier in CPU_TIERS] + ([Library(IsaTier.AVX2, ("avx_vnni",))] * AVX_VNNI_BESIDE_NATIVE)
+# every tier, and the lower tiers with extensions this CPU has (tests/conftest.py): at avx2 with AVX-VNNI, vpdpwssd in
+# place of vpmaddwd + vpaddd, the screen Intel's client cores build
+LIBRARIES = [Library(tier) for tier in CPU_TIERS] + [Library(tier, ext) for tier, ext in EXTENDED_LIBRARIES]
 
 
 @pytest.fixture(params=LIBRARIES, ids=lambda lib: "+".join([lib.tier.flag_name, *lib.extensions]))
