@@ -25,8 +25,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from folio.kernels.cpu_build import native_tier
-from folio.kernels.isa import EXTENSION_FLAGS, IsaTier, cpu_info, is_x86_64
+from folio.kernels.cpu_build import extension_builds, native_tier
+from folio.kernels.isa import IsaTier
 from folio.model.loader import default_model_path as folio_default_model_path
 from folio.model.loader import load_tokenizer
 
@@ -34,13 +34,10 @@ from folio.model.loader import load_tokenizer
 # kernel tests build the library once per tier and run the same assertions on each body; the test ids name the tier.
 CPU_TIERS = [tier for tier in IsaTier if tier <= native_tier()]
 # The bodies some CPUs of a lower tier build natively (AVX-VNNI at avx2: Intel's client cores; AVX512-VNNI at
-# avx512: Cascade Lake, Ice Lake) run here too where this CPU has those instructions above that tier, through the
-# lower tier's library built with them (--cpu-isa avx2+avx_vnni, avx512+avx512_vnni): (tier, extensions) each.
-EXTENDED_LIBRARIES = [
-    (tier, (name,))
-    for name, (tier, _) in EXTENSION_FLAGS.items()
-    if name in cpu_info()[1] and tier < native_tier() and is_x86_64()
-]
+# avx512: Cascade Lake, Ice Lake) run here too where this CPU has those instructions above that tier and its own
+# library does not run them, through the lower tier's library built with them (--cpu-isa avx2+avx_vnni,
+# avx512+avx512_vnni): (tier, extensions) each.
+EXTENDED_LIBRARIES = extension_builds()
 
 _COMPLETE_MARKER = ".complete"  # written last: a directory without it is a partial save and is rebuilt
 

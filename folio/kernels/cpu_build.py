@@ -120,20 +120,26 @@ def load_cpu_isa_library(cpu_isa: str) -> ctypes.CDLL | None:
     return load_kernel_library("cpu_kernels", IsaTier[tier_name.upper()], tuple(extensions))
 
 
+def extension_builds() -> list[tuple[IsaTier, tuple[str, ...]]]:
+    """(tier, extensions) of each lower tier's library with instructions this CPU has above it whose bodies this
+    CPU's own library does not run: so the tests run, here, the kernels other CPUs build natively (AVX-VNNI's
+    256-bit VNNI GEMM of Intel's client cores; AVX512-VNNI's 512-bit one of Cascade Lake / Ice Lake, only above an
+    AMX tier: at avx512_bf16 the native library runs that body itself)."""
+    native, flags = native_tier(), cpu_info()[1]
+    return [
+        (tier, (name,))
+        for name, (tier, _) in EXTENSION_FLAGS.items()
+        if is_x86_64() and name in flags and tier < native and not (name == "avx512_vnni" and native < IsaTier.AMX)
+    ]
+
+
 def build_every_tier() -> list[IsaTier]:
     """Builds (or finds in the cache) the kernel library of every tier this CPU runs, the compilers side by side;
     returns the tiers whose library loaded. scripts/setup.sh runs it once, so that the processes a server or the
     tests start find every library built instead of compiling the same one at the same time (11 s of gcc for the
     native tier on an AMD EPYC here, 33 s for all four)."""
-    native = native_tier()
-    tiers = [tier for tier in IsaTier if tier <= native]
-    # and each extension this CPU has at its tier below the native one (the tests' avx2+avx_vnni library)
-    extended = [
-        (lowest, (name,))
-        for name, (lowest, _) in EXTENSION_FLAGS.items()
-        if name in cpu_info()[1] and lowest < native and is_x86_64()
-    ]
-    builds = [(tier, ()) for tier in tiers] + extended
+    builds: list[tuple[IsaTier, tuple[str, ...]]] = [(tier, ()) for tier in IsaTier if tier <= native_tier()]
+    builds += extension_builds()
     with ThreadPoolExecutor(max_workers=len(builds)) as pool:  # each build is a gcc process: threads suffice
         libraries = list(pool.map(lambda build: load_kernel_library("cpu_kernels", *build), builds))
     return [
