@@ -72,7 +72,7 @@ def native_tier() -> IsaTier:
 def load_kernel_library(name: str, tier: IsaTier | None = None, extensions: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     """The library of ``folio/kernels/<name>.c`` compiled for ``tier`` (default: this CPU's best, which it must
     not exceed), or None (with a warning) where it cannot be built. ``extensions`` (isa.EXTENSION_FLAGS) adds
-    instructions this CPU has to a lower tier's library: for tests and benchmarks, never the engine.
+    instructions this CPU has to a lower tier's library (``--cpu-isa avx2+avx_vnni``, tests and benchmarks).
 
     Callers fall back to their torch path on None, so a machine without a C compiler still runs, only slower.
     """

@@ -162,7 +162,7 @@ static void codes4_vnni_widen_block(const uint8_t *src, int64_t k, uint8_t *dst)
  * plus 6 register moves), and the tile ran at 0.85x the FMA tiles (Zen 5, docs/performance.md, session 52). Here
  * 9 sums, 3 code vectors and the broadcast limb take 13 registers. Code vector j of step kq lies at
  * wg + 96 kq + 32 j (BLOCK_N = 24), limb l's four bytes of step kq at limb + 32 l + 4 kq. */
-#define VNNI_LIMB(kq, l, off, a, b, c)                                                                        \
+#define VNNI_LIMB(kq, off, a, b, c)                                                                        \
     "vpbroadcastd " #off "+4*" #kq "(%[x]), %[t]\n\t"                                                     \
     "%{vex%} vpdpbusd %[t], %[c0], %[" #a "]\n\t"                                                       \
     "%{vex%} vpdpbusd %[t], %[c1], %[" #b "]\n\t"                                                       \
@@ -170,8 +170,8 @@ static void codes4_vnni_widen_block(const uint8_t *src, int64_t k, uint8_t *dst)
 #define VNNI_STEP(kq)                                                                                         \
     "vmovdqa 96*" #kq "(%[w]), %[c0]\n\t"                                                                   \
     "vmovdqa 96*" #kq "+32(%[w]), %[c1]\n\t"                                                                \
-    "vmovdqa 96*" #kq "+64(%[w]), %[c2]\n\t" VNNI_LIMB(kq, l, 0, s00, s10, s20)                            \
-        VNNI_LIMB(kq, l, 32, s01, s11, s21) VNNI_LIMB(kq, l, 64, s02, s12, s22)
+    "vmovdqa 96*" #kq "+64(%[w]), %[c2]\n\t" VNNI_LIMB(kq, 0, s00, s10, s20)                            \
+        VNNI_LIMB(kq, 32, s01, s11, s21) VNNI_LIMB(kq, 64, s02, s12, s22)
 static inline void vnni_group_sums(const uint8_t *wg, const int8_t *limb, vn_i32 s[3][3]) {
     vn_i32 c0, c1, c2, t;
     for (int j = 0; j < 3; ++j)
