@@ -45,9 +45,11 @@ def test_bench_throughput(tmp_path: Path) -> None:
     assert usage["paged"] == (64 / 64 + 68 / 128 + 72 / 128) / 3
     assert usage["contiguous_max_model_len"] == (64 + 68 + 72) / (4 * 512) / 3
     assert "live tokens fill 69.8% of the allocated KV blocks" in proc.stdout
-    # the FLOP ceiling of this request set at a GEMM rate measured in the run (CPU), and this run's share of it
+    # the FLOP ceiling of this request set at a GEMM rate measured in the run (CPU), and this run's share of it: not
+    # held below 1, a ratio of two timings on a shared machine (and the codes' GEMMs on vpdpbusd or AMX outrun the
+    # float32 GEMM the ceiling is measured with): 1.36 once under CI's three workers (docs/performance.md, session 52)
     ceiling = result["flop_ceiling"]
-    assert ceiling["matmul_flops"] > 1e9 and 0 < ceiling["fraction"] < 1
+    assert ceiling["matmul_flops"] > 1e9 and ceiling["fraction"] > 0
     expected_fraction = result["output_tokens_per_second"] / ceiling["ceiling_output_tokens_per_second"]
     assert ceiling["fraction"] == pytest.approx(expected_fraction)
     assert "FLOP ceiling:" in proc.stdout and "(best float32 GEMM, 2048^3)" in proc.stdout
