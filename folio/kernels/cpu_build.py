@@ -25,6 +25,7 @@ from folio.kernels.isa import (
     check_extensions,
     compile_flags,
     cpu_info,
+    cpu_isa_extensions,
     detect_tier,
     is_x86_64,
 )
@@ -116,8 +117,8 @@ def load_kernel_library(name: str, tier: IsaTier | None = None, extensions: tupl
 def load_cpu_isa_library(cpu_isa: str) -> ctypes.CDLL | None:
     """The kernel library of a ``--cpu-isa`` name other than auto, extensions included ("avx2+avx_vnni"): for
     benchmarks that compare libraries side by side."""
-    tier_name, *extensions = cpu_isa.split("+")
-    return load_kernel_library("cpu_kernels", IsaTier[tier_name.upper()], tuple(extensions))
+    tier = IsaTier[cpu_isa.split("+")[0].upper()]
+    return load_kernel_library("cpu_kernels", tier, cpu_isa_extensions(cpu_isa))
 
 
 def extension_builds() -> list[tuple[IsaTier, tuple[str, ...]]]:

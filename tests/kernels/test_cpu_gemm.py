@@ -11,23 +11,12 @@ bias, both output dtypes, extreme values.
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 
-from folio.kernels.cpu_build import load_kernel_library
 from folio.kernels.cpu_gemm import CpuGemm
-from folio.kernels.cpu_kernels import library_tier
 from folio.kernels.isa import IsaTier
-
-
-@functools.cache
-def _gemm(tier: IsaTier) -> CpuGemm:
-    lib = load_kernel_library("cpu_kernels", tier)
-    assert lib is not None, "the GEMM must build here (gcc is part of this machine and of CI)"
-    assert library_tier(lib) == tier
-    return CpuGemm(lib)
+from tests.kernels.libraries import gemm_library as _gemm
 
 
 def _reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -10,7 +10,6 @@ counts cover the tiles widened in registers (one tile of rows) and the blocks wi
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import numpy as np
 import pytest
@@ -18,19 +17,13 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
-from folio.kernels.cpu_build import load_kernel_library, native_tier
+from folio.kernels.cpu_build import native_tier
 from folio.kernels.cpu_gemm import CpuGemm, PackedWeight
 from folio.kernels.cpu_kernels import load_cpu_kernels
 from folio.kernels.isa import IsaTier
 from folio.model.gguf_dequant import dequantize_to_float32
 from folio.model.layers.cpu_gemm import pack_weights
-
-
-@functools.cache
-def _gemm(tier: IsaTier) -> CpuGemm:
-    lib = load_kernel_library("cpu_kernels", tier)
-    assert lib is not None, "the GEMM must build here (gcc is part of this machine and of CI)"
-    return CpuGemm(lib)
+from tests.kernels.libraries import gemm_library as _gemm
 
 
 def _q4_1_weight(n: int, k: int, seed: int, scale: float = 1.0) -> torch.Tensor:

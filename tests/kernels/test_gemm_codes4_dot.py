@@ -1,9 +1,9 @@
 """The float32 GEMM over 4-bit codes on a dot-product unit, above one vector tile of rows, in this CPU's own library:
 on AMX (folio/kernels/gemm_codes4_amx.h, cpu_amx_float32, the amx tier: x split into three bfloat16 parts, every
 product exact) or through vpdpbusd (folio/kernels/gemm_codes4_vnni.h, cpu_vnni_float32: AVX512-VNNI in a library
-with it and BF16 and without AMX, AVX-VNNI in a 256-bit library with it; x rounded to a 22-bit fixed point per row
-and group of 32 k, exact integer products and sums). Where this CPU has AVX-VNNI and its own tier is above avx2,
-the avx2 tier's library built with AVX-VNNI added runs the same tests: the body Intel's client cores build.
+with it and without AMX, AVX-VNNI in a 256-bit library with it; x rounded to a 22-bit fixed point per row and group
+of 32 k, exact integer products and sums). The lower tiers' libraries with extensions this CPU has
+(tests/conftest.py EXTENDED_LIBRARIES: avx2+avx_vnni, the body Intel's client cores build) run the same tests.
 Float32 sums in another order, so each result is held to the float32 layout's own error against a float64 product
 (plus x's rounding for VNNI), not to its bits; one vector tile of rows or fewer keeps the float32 layout's bits; a
 row's result does not depend on the rows beside it.
@@ -12,13 +12,12 @@ row's result does not depend on the rows beside it.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass
 
 import pytest
 import torch
 
-from folio.kernels.cpu_build import load_kernel_library, native_tier
+from folio.kernels.cpu_build import native_tier
 from folio.kernels.cpu_gemm import CpuGemm, PackedWeight
 from folio.kernels.cpu_kernels import load_cpu_kernels
 from folio.kernels.isa import IsaTier
@@ -38,7 +37,7 @@ class DotUnit:
     extensions: tuple[str, ...] = ()
 
     def library(self) -> CpuGemm:
-        return _gemm(native_tier()) if self.tier is None else _gemm_with(self.tier, self.extensions)
+        return _gemm(native_tier()) if self.tier is None else _gemm(self.tier, self.extensions)
 
     def lower(self) -> CpuGemm:
         """A library without the unit (the tier below, or the same tier without the extensions): its FMA tiles
@@ -60,13 +59,6 @@ class DotUnit:
 
     def on_unit(self, packed: PackedWeight) -> bool:
         return bool(getattr(packed, f"codes4_{self.name}"))
-
-
-@functools.cache
-def _gemm_with(tier: IsaTier, extensions: tuple[str, ...]) -> CpuGemm:
-    lib = load_kernel_library("cpu_kernels", tier, extensions)
-    assert lib is not None, "the GEMM must build here (gcc is part of this machine and of CI)"
-    return CpuGemm(lib)
 
 
 AMX = DotUnit("amx", 0, "on AMX")

@@ -9,7 +9,6 @@ bound cannot cover (NaN, inf, huge or all-zero rows) and candidate lists that ov
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,18 +17,11 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
-from folio.kernels.cpu_build import load_kernel_library
 from folio.kernels.cpu_gemm import Codes8Head, CpuGemm
 from folio.kernels.isa import IsaTier
 from folio.model.gguf_dequant import dequantize_to_float32
 from tests.conftest import CPU_TIERS, EXTENDED_LIBRARIES
-
-
-@functools.cache
-def _gemm(tier: IsaTier, extensions: tuple[str, ...] = ()) -> CpuGemm:
-    lib = load_kernel_library("cpu_kernels", tier, extensions)
-    assert lib is not None, "the GEMM must build here (gcc is part of this machine and of CI)"
-    return CpuGemm(lib)
+from tests.kernels.libraries import gemm_library as _gemm
 
 
 @dataclass(frozen=True)

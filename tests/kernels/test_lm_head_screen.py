@@ -9,21 +9,12 @@ cannot cover (NaN, huge norms) and candidate lists that overflow must take the e
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 
-from folio.kernels.cpu_build import load_kernel_library
 from folio.kernels.cpu_gemm import ArgmaxScreen, CpuGemm, PackedWeight
 from folio.kernels.isa import IsaTier
-
-
-@functools.cache
-def _gemm(tier: IsaTier) -> CpuGemm:
-    lib = load_kernel_library("cpu_kernels", tier)
-    assert lib is not None, "the GEMM must build here (gcc is part of this machine and of CI)"
-    return CpuGemm(lib)
+from tests.kernels.libraries import gemm_library as _gemm
 
 
 def _head(gemm: CpuGemm, w: torch.Tensor) -> tuple[PackedWeight, ArgmaxScreen]:
