@@ -7,7 +7,7 @@ run it) but slower than oneDNN / torch, so it is never chosen for speed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 from folio.kernels.isa import IsaTier
 
@@ -85,6 +85,13 @@ class CpuPlan:
     fused_decoder: str  # every layer in one C call: needs Folio's kernel for every operation above
     kv_side_prefetch: str  # the fused decoder's GEMMs prefetch the next layer's decode K/V: "folio" or "off"
     kv_block_copy: str  # whole KV blocks (host tier stores and loads, copy-on-write): "folio" or "torch"
+
+    def with_kv_prefetch_bytes(self, budget: int | None) -> CpuPlan:
+        """The plan under the engine's cpu_kv_prefetch_bytes (None: the plan's own choice), so that the start-up
+        line names the side prefetch that runs; it needs the fused decoder, whose GEMMs carry it."""
+        if budget is None:
+            return self
+        return replace(self, kv_side_prefetch="folio" if budget > 0 and self.fused_decoder == "folio" else "off")
 
     def describe(self) -> str:
         """One line for the start-up log: every operation and its implementation."""

@@ -303,8 +303,10 @@ class Worker:
             return None
         # the library and plan are the process's (cached); where this engine's memory goes is its own
         cpu_config = self.config.cpu_config
+        kernels = load_cpu_kernels(cpu_config.tier(), self.dtype, cpu_config.extensions())
         kernels = replace(
-            load_cpu_kernels(cpu_config.tier(), self.dtype, cpu_config.extensions()),
+            kernels,
+            plan=kernels.plan.with_kv_prefetch_bytes(cpu_config.kv_prefetch_bytes),
             huge_pages=cpu_config.huge_pages,
             compact_weights=cpu_config.compact_weights,
             amx_float32=cpu_config.amx_float32,

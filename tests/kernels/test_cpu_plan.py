@@ -147,6 +147,19 @@ def test_fallbacks() -> None:
         choose_cpu_plan(IsaTier.AVX2, "float16")
 
 
+def test_the_engines_kv_prefetch_budget_is_in_the_plan_it_logs() -> None:
+    """cpu_kv_prefetch_bytes overrides the plan's side prefetch either way; the start-up line says what runs."""
+    avx2, avx512 = choose_cpu_plan(IsaTier.AVX2, "float32"), choose_cpu_plan(IsaTier.AVX512, "float32")
+    assert avx2.with_kv_prefetch_bytes(None) == avx2 and avx512.with_kv_prefetch_bytes(None) == avx512
+    assert avx2.with_kv_prefetch_bytes(1 << 20).kv_side_prefetch == "folio"
+    assert "kv_side_prefetch=folio" in avx2.with_kv_prefetch_bytes(1 << 20).describe()
+    assert avx512.with_kv_prefetch_bytes(0).kv_side_prefetch == "off"
+    assert avx512.with_kv_prefetch_bytes(1 << 20) == avx512
+    # without the fused decoder there is no GEMM to carry the prefetch, whatever the budget
+    generic = choose_cpu_plan(IsaTier.GENERIC, "float32")
+    assert generic.with_kv_prefetch_bytes(1 << 20).kv_side_prefetch == "off"
+
+
 def test_setup_builds_every_tier_this_cpu_runs() -> None:
     """scripts/setup.sh's build: every tier up to this CPU's, each library reporting the tier it was built for."""
     tiers = build_every_tier()

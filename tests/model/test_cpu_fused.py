@@ -108,6 +108,9 @@ def test_the_kv_side_prefetch_budget_is_the_plans_unless_set(model_path: str, cp
             pytest.skip(f"{cpu_tier.flag_name}: the plan runs {kernels.plan.describe()}")
         plans_budget = -1 if kernels.plan.kv_side_prefetch == "folio" else 0
         assert fused.kv_prefetch_bytes == (plans_budget if asked is None else asked), asked
+        # the plan the start-up line shows (folio/worker/worker.py) says what the decoder runs
+        logged = kernels.plan.with_kv_prefetch_bytes(asked).kv_side_prefetch
+        assert logged == ("off" if fused.kv_prefetch_bytes == 0 else "folio"), (asked, logged)
 
 
 class _CountingGroup:
