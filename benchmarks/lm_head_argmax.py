@@ -9,6 +9,7 @@ as SmolLM2's tied embedding is. Per tier and row count, the same x through:
   codes8    folio_gemm_argmax_codes8 over the 8-bit codes (one row tile widened in registers, more rows over
             blocks widened once), the engine's choice where the plan has no bfloat16 screen
   int16     the 8-bit codes screened in int16 with a float32 rescore (AVX2 libraries only)
+  int8      the 8-bit codes screened in int8 (x per group of 32) with a float32 rescore (AVX512-VNNI, no AMX)
   screen    the bfloat16 screen with a float32 rescore (libraries with vdpbf16ps only)
 Rounds interleave the paths (a call of each in turn, the order flipped every round) and the median call is shown,
 with each path's median ratio to float32 over the rounds: on a VM whose speed swings from minute to minute a
@@ -49,7 +50,7 @@ def paths(gemm: CpuGemm, w: torch.Tensor) -> dict[str, Callable[[torch.Tensor], 
         "codes8": lambda x: gemm.argmax_codes8(x, head),
     }
     if gemm.argmax_codes8_screened(torch.randn(1, w.shape[1]), head)[1] != -2:
-        found["int16"] = lambda x: gemm.argmax_codes8_screened(x, head)[0]
+        found["int8" if head.quads is not None else "int16"] = lambda x: gemm.argmax_codes8_screened(x, head)[0]
     screen = gemm.build_screen(w)
     if screen is not None and gemm.screened_argmax(torch.randn(1, w.shape[1]), plain, screen)[1] != -2:
         found["screen"] = lambda x: gemm.screened_argmax(x, plain, screen)[0]

@@ -392,3 +392,7 @@ FOR_EACH_TILE_ROWS(DEFINE_TILE_BF16)
 #include "gemm_codes8_argmax.h"
 #include "gemm_argmax_screen.h"
 #include "gemm_codes8_screen.h"
+#include "gemm_codes8_screen_vnni.h"
+
+/* Output columns per packed block: the int8 screen's per-group norms are laid out in whole blocks. */
+int folio_gemm_block_n(void) { return BLOCK_N; }

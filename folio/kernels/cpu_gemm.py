@@ -103,6 +103,10 @@ class Codes8Head:
     k: int
     col_abs_sum: torch.Tensor  # [n] float32, at least each row's L1 norm (the int16 screen's bound)
     w_abs_max: float  # at least max |w|
+    # where the library has the int8 screen (AVX512-VNNI, gemm_codes8_screen_vnni.h): the codes in its quads layout,
+    # and [k / 32, blocks' columns] float32, at least each row's L1 norm over each group of 32 (zero past n)
+    quads: torch.Tensor | None = None
+    group_abs_sum: torch.Tensor | None = None
 
 
 class CpuGemm:
@@ -153,6 +157,17 @@ class CpuGemm:
             [_ptr, _i64, _ptr, _ptr, ctypes.c_float, _i64, _i64, _i64, _ptr, _int],
             _int,
         )
+        # the int8 screen (gemm_codes8_screen_vnni.h): x, lda, packed, quads, col_abs_sum, group_abs_sum, w_abs_max,
+        # m, n, k, out_ids, num_threads
+        self.codes8_has_i8_screen = bool(_bind(lib, "folio_gemm_codes8_has_i8_screen", [], _int)())
+        self._pack_codes8_quads = _bind(lib, "folio_gemm_pack_codes8_quads", [_ptr, _i64, _i64, _ptr], None)
+        self._argmax_codes8_screened_i8 = _bind(
+            lib,
+            "folio_gemm_argmax_codes8_screened_i8",
+            [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, ctypes.c_float, _i64, _i64, _i64, _ptr, _int],
+            _int,
+        )
+        self._block_n = int(_bind(lib, "folio_gemm_block_n", [], _int)())
 
     @staticmethod
     def supports(weight: torch.Tensor) -> bool:
@@ -269,8 +284,9 @@ class CpuGemm:
         )
         return out if status == 0 else None
 
-    def pack_codes8(self, weight: torch.Tensor) -> Codes8Head | None:
-        """``weight`` [n, k] float32 as 8-bit codes, or None where some group of 32 is not exactly such codes."""
+    def pack_codes8(self, weight: torch.Tensor, with_quads: bool = True) -> Codes8Head | None:
+        """``weight`` [n, k] float32 as 8-bit codes, or None where some group of 32 is not exactly such codes; with
+        ``with_quads``, also the int8 screen's layout and bounds where this library has that screen."""
         if weight.dtype != torch.float32 or weight.dim() != 2:
             return None
         data = _try_codes(weight, self._codes8_bytes, self._pack_codes8)
@@ -279,7 +295,21 @@ class CpuGemm:
         w_abs_max = _abs_max_rounded_up(weight)
         assert w_abs_max is not None  # exact codes are finite
         col_abs_sum = _row_norms_rounded_up(weight, lambda rows: rows.abs().sum(dim=1, dtype=torch.float64))
-        return Codes8Head(data, weight.shape[0], weight.shape[1], col_abs_sum, w_abs_max)
+        n, k = weight.shape
+        if not (with_quads and self.codes8_has_i8_screen):
+            return Codes8Head(data, n, k, col_abs_sum, w_abs_max)
+        quads = torch.empty_like(data)
+        self._pack_codes8_quads(data.data_ptr(), n, k, quads.data_ptr())
+        n_pad = -(-n // self._block_n) * self._block_n
+        group_abs_sum = torch.zeros(k // 32, n_pad, dtype=torch.float32)
+        group_norms = torch.cat(
+            [
+                rows.abs().view(-1, k // 32, 32).sum(dim=2, dtype=torch.float64)
+                for rows in weight.split(_SCREEN_NORM_ROWS)
+            ]
+        )
+        group_abs_sum[:, :n] = (group_norms * (1 + 1e-6)).float().T
+        return Codes8Head(data, n, k, col_abs_sum, w_abs_max, quads, group_abs_sum)
 
     def argmax_codes8(self, x: torch.Tensor, head: Codes8Head, widened: bool = True) -> torch.Tensor | None:
         """``argmax`` of float32 x [T, k] over the head's codes (the float32 logits' token, the first of equals);
@@ -296,13 +326,24 @@ class CpuGemm:
         return out if status == 0 else None
 
     def argmax_codes8_screened(self, x: torch.Tensor, head: Codes8Head) -> tuple[torch.Tensor | None, int]:
-        """``argmax_codes8`` of float32 x [T, k] through the int16 screen (gemm_codes8_screen.h): the same token;
-        also the kernel's status: 0 screened, 1 the exact path taken instead (non-finite, huge or tiny rows, too
-        many candidates), -1 not run (T > 256), -2 not in this library (AVX2 only)."""
+        """``argmax_codes8`` of float32 x [T, k] through the int8 screen where the head has its layout
+        (gemm_codes8_screen_vnni.h: AVX512-VNNI without AMX), else the int16 one (gemm_codes8_screen.h: AVX2): the
+        same token; also the kernel's status: 0 screened, 1 the exact path taken instead (non-finite, huge or tiny
+        rows, too many candidates), -1 not run (T > 256; the int8 screen also T <= 8, one row tile, where
+        ``argmax_codes8`` is faster), -2 not in this library."""
         if x.dtype != torch.float32:
             return None, -1
         x = _as_rows(x)
         out = torch.empty(x.shape[0], dtype=torch.int64)
+        if head.quads is not None and head.group_abs_sum is not None:  # the int8 screen, where the library has it
+            status = int(
+                self._argmax_codes8_screened_i8(
+                    x.data_ptr(), x.stride(0), head.data.data_ptr(), head.quads.data_ptr(), head.col_abs_sum.data_ptr(),
+                    head.group_abs_sum.data_ptr(), head.w_abs_max, x.shape[0], head.n, head.k, out.data_ptr(),
+                    torch.get_num_threads(),
+                )
+            )  # fmt: skip
+            return (out if status in (0, 1) else None), status
         status = int(
             self._argmax_codes8_screened(
                 x.data_ptr(), x.stride(0), head.data.data_ptr(), head.col_abs_sum.data_ptr(), head.w_abs_max,

@@ -96,7 +96,8 @@ def load_cpu_kernels(tier: IsaTier | None, dtype: torch.dtype, extensions: tuple
     built = tier if lib is None else library_tier(lib)
     if built != tier:
         logger.warning("the %s kernel library reports tier %s", tier.flag_name, built.flag_name)
-    plan = choose_cpu_plan(built, str(dtype).removeprefix("torch."), lib is not None, onednn_available())
+    int8_screen = lib is not None and CpuGemm(lib).codes8_has_i8_screen
+    plan = choose_cpu_plan(built, str(dtype).removeprefix("torch."), lib is not None, onednn_available(), int8_screen)
     return CpuKernels(
         plan=plan,
         lib=lib,

@@ -78,7 +78,8 @@ class CpuPlan:
     gemm: str
     lm_head_argmax: str  # the greedy step's LM head without writing the logits: Folio's GEMM ("folio"), or in
     # float32 its bfloat16 screen with a float32 rescore ("folio_bf16_screen"), or for a head of 8-bit codes their
-    # int16 screen with a float32 rescore ("folio_int16_screen"), or "off"
+    # int16 screen ("folio_int16_screen": AVX2) or int8 screen ("folio_int8_screen": AVX512-VNNI without AMX) with
+    # a float32 rescore, or "off"
     decode_attention: str
     prefill_attention: str
     elementwise: str  # RMSNorm + residual, rotary, SiLU-and-mul, the K/V write
@@ -99,9 +100,12 @@ class CpuPlan:
         return ", ".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self) if f.name not in skip)
 
 
-def choose_cpu_plan(tier: IsaTier, dtype_name: str, have_compiler: bool = True, have_onednn: bool = True) -> CpuPlan:
+def choose_cpu_plan(
+    tier: IsaTier, dtype_name: str, have_compiler: bool = True, have_onednn: bool = True, int8_screen: bool = False
+) -> CpuPlan:
     """The plan for a library of ``tier`` running ``dtype_name`` ("float32" / "bfloat16") weights and K/V;
-    ``have_compiler`` False: no library at all, so no Folio kernel."""
+    ``have_compiler`` False: no library at all, so no Folio kernel; ``int8_screen``: the library has the LM head's
+    int8 screen (built with AVX512-VNNI and without AMX: a property of the build, as the tier is)."""
     if dtype_name not in ("float32", "bfloat16"):
         raise ValueError(f"CPU kernels run float32 or bfloat16, not {dtype_name}")
 
@@ -123,6 +127,7 @@ def choose_cpu_plan(tier: IsaTier, dtype_name: str, have_compiler: bool = True, 
             dtype_name,
             bf16_screen=folio_or("lm_head_bf16_screen", "") == "folio",
             int16_screen=folio_or("lm_head_int16_screen", "") == "folio" and tier <= LM_HEAD_INT16_SCREEN_MAX_TIER,
+            int8_screen=have_compiler and int8_screen,
         ),
         decode_attention=decode,
         prefill_attention=prefill,
@@ -133,11 +138,14 @@ def choose_cpu_plan(tier: IsaTier, dtype_name: str, have_compiler: bool = True, 
     )
 
 
-def _lm_head_argmax(gemm: str, dtype_name: str, bf16_screen: bool, int16_screen: bool) -> str:
-    """Folio's fused arg-max needs Folio's GEMM; a float32 one is screened in bfloat16 where vdpbf16ps exists, and
-    in int16 (for a head of 8-bit codes) where that screen runs (the AVX2 tier)."""
+def _lm_head_argmax(gemm: str, dtype_name: str, bf16_screen: bool, int16_screen: bool, int8_screen: bool) -> str:
+    """Folio's fused arg-max needs Folio's GEMM; a float32 one (for a head of 8-bit codes) is screened in int8
+    where vpdpbusd runs it (1.3-1.6x the bfloat16 screen at 256 rows of SmolLM2's head: docs/performance.md,
+    session 53), else in bfloat16 where vdpbf16ps exists, else in int16 where that screen runs (the AVX2 tier)."""
     if gemm != "folio":
         return "off"
+    if dtype_name == "float32" and int8_screen:
+        return "folio_int8_screen"
     if dtype_name == "float32" and bf16_screen:
         return "folio_bf16_screen"
     if dtype_name == "float32" and int16_screen:

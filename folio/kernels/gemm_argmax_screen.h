@@ -22,7 +22,8 @@
  *   The bound is enlarged by 0.1% for the float32 rounding of b and S +- b, far below it: |S| <= (1 + c) A.
  * Rows with a non-finite or huge norm, and candidate lists that overflow, take the exact path instead. */
 
-#if (GEMM_VEC_BITS == 512 && defined(__AVX512BF16__)) || GEMM_VEC_BITS == 256 /* where a screen runs */
+/* where a screen runs: AVX2 (int16), AVX512-BF16 (bfloat16), AVX512-VNNI without AMX (int8) */
+#if GEMM_VEC_BITS == 256 || (GEMM_VEC_BITS == 512 && (defined(__AVX512BF16__) || defined(__AVX512VNNI__)))
 /* A screen's rescore (both screens'): each (block, row) pair's float32 tile over packed_f32's block or, where
  * packed_f32 is NULL, over codes8's block widened into the thread's float32 block (once per run of a block's
  * pairs: the pairs are block-major); then each row's arg-max into out_ids. The float32 tiles' values, so the

@@ -100,10 +100,14 @@ static inline int screen_sane(double v) {
     return ((bits >> 23) & 0xffu) < 127u + 100u;
 }
 
-#if GEMM_VEC_BITS == 512 && defined(__AVX512BF16__)
-static void screen_store16(ScreenState *s, int64_t row, int64_t col, __m512 acc, __mmask16 mask) {
-    const __m512 b = _mm512_fmadd_ps(_mm512_set1_ps(s->row_scale[row]), _mm512_maskz_loadu_ps(mask, s->w_norm + col),
-                                     _mm512_set1_ps(s->row_slack[row]));
+#if GEMM_VEC_BITS == 512
+/* One row's sums S of 16 columns from col (the lanes of mask) into its threshold and candidates, with the bound
+ * b = row_scale w_norm + row_slack + extra (extra: a screen's per-column term, gemm_codes8_screen_vnni.h). */
+static void screen_store16_plus(ScreenState *s, int64_t row, int64_t col, __m512 acc, __m512 extra, __mmask16 mask) {
+    const __m512 b = _mm512_add_ps(_mm512_fmadd_ps(_mm512_set1_ps(s->row_scale[row]),
+                                                   _mm512_maskz_loadu_ps(mask, s->w_norm + col),
+                                                   _mm512_set1_ps(s->row_slack[row])),
+                                   extra);
     const __m512 lo = _mm512_sub_ps(acc, b), hi = _mm512_add_ps(acc, b);
     const float lo_max = _mm512_mask_reduce_max_ps(mask, lo);
     if (lo_max > s->threshold[row]) s->threshold[row] = lo_max;
@@ -121,6 +125,9 @@ static void screen_store16(ScreenState *s, int64_t row, int64_t col, __m512 acc,
     s->cand_count[row] += __builtin_popcount((unsigned)keep);
 }
 
+static inline void screen_store16(ScreenState *s, int64_t row, int64_t col, __m512 acc, __mmask16 mask) {
+    screen_store16_plus(s, row, col, acc, _mm512_setzero_ps(), mask);
+}
 #endif
 
 #if GEMM_VEC_BITS == 256

@@ -22,6 +22,7 @@ from folio.attention.backends.base import AttentionBackend
 from folio.attention.metadata import AttnMetadata
 from folio.kernels.cpu_gemm import ArgmaxScreen, Codes8Head, PackedWeight
 from folio.kernels.cpu_kernels import CpuKernels
+from folio.kernels.isa import IsaTier
 from folio.model.cpu_fused import FusedCpuDecoder
 from folio.model.layers.activation import silu_and_mul
 from folio.model.layers.cpu_gemm import pack_weights, packed_linear
@@ -186,7 +187,7 @@ class LlamaForCausalLM(nn.Module):
         self.tied_lm_head_packed: Any = None  # set by pack_for_cpu when embeddings are tied
         self.lm_head_screen: ArgmaxScreen | None = None  # set by pack_for_cpu where the plan screens the arg-max
         self.lm_head_codes8: Codes8Head | None = None  # set by pack_for_cpu where the head is exactly 8-bit codes
-        self.lm_head_codes8_screened = False  # set by pack_for_cpu where the plan screens those codes in int16
+        self.lm_head_codes8_screened = False  # set by pack_for_cpu where the plan screens those codes (int16, int8)
 
     def forward(
         self,
@@ -228,11 +229,16 @@ class LlamaForCausalLM(nn.Module):
         linears = [m for m in self.modules() if isinstance(m, Linear)]
         weights = [m.weight.data for m in linears]
         head_weight = self.model.embed_tokens.weight.data if self.lm_head is None else self.lm_head.weight.data
-        if kernels.plan.lm_head_argmax == "folio_bf16_screen" and kernels.gemm is not None:
+        plan = kernels.plan.lm_head_argmax
+        if plan != "off" and kernels.gemm is not None and kernels.compact_weights:
+            self.lm_head_codes8 = kernels.gemm.pack_codes8(head_weight, with_quads=plan == "folio_int8_screen")
+            self.lm_head_codes8_screened = plan in ("folio_int16_screen", "folio_int8_screen")
+        # the bfloat16 screen where the plan has it, or in place of an int8 screen that found no codes to run on
+        bf16_in_place = (
+            plan == "folio_int8_screen" and self.lm_head_codes8 is None and kernels.tier >= IsaTier.AVX512_BF16
+        )
+        if (plan == "folio_bf16_screen" or bf16_in_place) and kernels.gemm is not None:
             self.lm_head_screen = kernels.gemm.build_screen(head_weight, kernels.huge_pages)
-        if kernels.plan.lm_head_argmax != "off" and kernels.gemm is not None and kernels.compact_weights:
-            self.lm_head_codes8 = kernels.gemm.pack_codes8(head_weight)
-            self.lm_head_codes8_screened = kernels.plan.lm_head_argmax == "folio_int16_screen"
         compact = [True] * len(weights)  # the projections may stay 4-bit codes; the LM head's arg-max reads float32
         if self.lm_head is None:
             weights.append(head_weight)

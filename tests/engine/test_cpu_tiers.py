@@ -11,10 +11,12 @@ import logging
 from typing import Any
 
 import pytest
+import torch
 
 from folio import LLM, SamplingParams
 from folio.bench.datasets import DEFAULT_W1_PATH, load_w1
 from folio.kernels.cpu_build import native_tier
+from folio.kernels.cpu_kernels import load_cpu_kernels
 from folio.kernels.isa import IsaTier
 from tests.conftest import EXTENDED_LIBRARIES
 from tests.engine.conftest import assert_no_leaks, greedy_verdicts
@@ -108,12 +110,17 @@ def _tokens(llm: LLM, prompts: list[Any]) -> list[Any]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
+def _native_plan_screens_in_int8() -> bool:
+    return load_cpu_kernels(native_tier(), torch.float32).plan.lm_head_argmax == "folio_int8_screen"
+
+
 def test_bf16_screened_lm_head_gives_the_float32_tokens() -> None:
-    """Where the plan screens the float32 greedy LM head in bfloat16 (avx512_bf16), every greedy token of 24 W1
-    prompts is the one the float32 arg-max picks, and the screen did the work (status 0 at every step). The prompts
-    are cut to their first 16 tokens: the screen runs on the decode steps, and the whole prompts' prefills were
-    two thirds of the test's CPU."""
-    llm = LLM(dtype="float32", **SMALL_ENGINE)
+    """Where the plan screens the float32 greedy LM head in bfloat16 (avx512_bf16; on a CPU whose own library has
+    the int8 screen, which takes a head of 8-bit codes, the head kept in float32: cpu_compact_weights off), every
+    greedy token of 24 W1 prompts is the one the float32 arg-max picks, and the screen did the work (status 0 at
+    every step). The prompts are cut to their first 16 tokens: the screen runs on the decode steps, and the whole
+    prompts' prefills were two thirds of the test's CPU."""
+    llm = LLM(dtype="float32", cpu_compact_weights=not _native_plan_screens_in_int8(), **SMALL_ENGINE)
     model = llm.llm_engine.executor.worker.model
     if model.lm_head_screen is None:
         pytest.skip("no bfloat16 screen below the avx512_bf16 tier")
@@ -124,15 +131,26 @@ def test_bf16_screened_lm_head_gives_the_float32_tokens() -> None:
     assert_no_leaks(llm)
 
 
-def test_int16_screened_lm_head_gives_the_float32_tokens() -> None:
-    """On the avx2 tier (which every CI machine runs) SmolLM2's Q8_0 LM head is screened in int16: every greedy
-    token of 24 W1 prompts is the one the codes' float32 arg-max picks, and the screen did the work (status 0 at
-    every step), as above."""
-    if native_tier() < IsaTier.AVX2:
-        pytest.skip("the int16 screen's body is AVX2: this CPU has no avx2 tier")
-    llm = LLM(dtype="float32", cpu_isa="avx2", **SMALL_ENGINE)
+def _int8_screen_isa() -> str:
+    """A --cpu-isa whose library has the int8 screen: this CPU's own (AVX512-VNNI without AMX) or, above an AMX
+    tier, avx512+avx512_vnni's (tests/conftest.py EXTENDED_LIBRARIES); "none" where neither runs here."""
+    if native_tier() >= IsaTier.AVX512 and _native_plan_screens_in_int8():
+        return "auto"
+    vnni = ["+".join([t.flag_name, *ext]) for t, ext in EXTENDED_LIBRARIES if "avx512_vnni" in ext]
+    return vnni[0] if vnni else "none"
+
+
+@pytest.mark.parametrize(("cpu_isa", "screen"), [("avx2", "int16"), (_int8_screen_isa(), "int8")])
+def test_integer_screened_lm_head_gives_the_float32_tokens(cpu_isa: str, screen: str) -> None:
+    """SmolLM2's Q8_0 LM head screened in int16 on the avx2 tier (which every CI machine runs) and in int8 where a
+    library has vpdpbusd's screen: every greedy token of 24 W1 prompts is the one the codes' float32 arg-max picks,
+    and the screen did the work (status 0 at every step), as above."""
+    if cpu_isa == "none" or native_tier() < IsaTier.AVX2:
+        pytest.skip(f"no library here has the {screen} screen")
+    llm = LLM(dtype="float32", cpu_isa=cpu_isa, **SMALL_ENGINE)
     model = llm.llm_engine.executor.worker.model
     assert model.lm_head_codes8 is not None and model.lm_head_codes8_screened
+    assert (model.lm_head_codes8.quads is not None) == (screen == "int8") and model.lm_head_screen is None
     gemm = model.tied_lm_head_packed.gemm
     prompts, screened, statuses = _screened_and_exact_tokens(llm, gemm, "argmax_codes8_screened")
     assert statuses and set(statuses) == {0}, statuses

@@ -147,6 +147,17 @@ def test_fallbacks() -> None:
         choose_cpu_plan(IsaTier.AVX2, "float16")
 
 
+def test_the_int8_screen_wherever_the_library_has_it_for_float32() -> None:
+    """A library built with AVX512-VNNI and without AMX has the LM head's int8 screen: it takes a float32 head
+    (of 8-bit codes) before the bfloat16 and int16 screens; bfloat16 heads and plans without Folio's GEMM never."""
+    for tier in (IsaTier.AVX2, IsaTier.AVX512, IsaTier.AVX512_BF16):
+        plan = choose_cpu_plan(tier, "float32", int8_screen=True)
+        assert plan.lm_head_argmax == "folio_int8_screen" and "lm_head_argmax=folio_int8_screen" in plan.describe()
+    assert choose_cpu_plan(IsaTier.AVX512_BF16, "bfloat16", int8_screen=True).lm_head_argmax == "folio"
+    assert choose_cpu_plan(IsaTier.GENERIC, "float32", int8_screen=True).lm_head_argmax == "off"
+    assert choose_cpu_plan(IsaTier.AVX512, "float32", have_compiler=False, int8_screen=True).lm_head_argmax == "off"
+
+
 def test_the_engines_kv_prefetch_budget_is_in_the_plan_it_logs() -> None:
     """cpu_kv_prefetch_bytes overrides the plan's side prefetch either way; the start-up line says what runs."""
     avx2, avx512 = choose_cpu_plan(IsaTier.AVX2, "float32"), choose_cpu_plan(IsaTier.AVX512, "float32")
