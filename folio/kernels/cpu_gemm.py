@@ -157,14 +157,14 @@ class CpuGemm:
             [_ptr, _i64, _ptr, _ptr, ctypes.c_float, _i64, _i64, _i64, _ptr, _int],
             _int,
         )
-        # the int8 screen (gemm_codes8_screen_vnni.h): x, lda, packed, quads, col_abs_sum, group_abs_sum, w_abs_max,
-        # m, n, k, out_ids, num_threads
+        # the int8 screen (gemm_codes8_screen_vnni.h): x, lda, packed, quads, packed_f32, col_abs_sum, group_abs_sum,
+        # w_abs_max, m, n, k, out_ids, num_threads
         self.codes8_has_i8_screen = bool(_bind(lib, "folio_gemm_codes8_has_i8_screen", [], _int)())
         self._pack_codes8_quads = _bind(lib, "folio_gemm_pack_codes8_quads", [_ptr, _i64, _i64, _ptr], None)
         self._argmax_codes8_screened_i8 = _bind(
             lib,
             "folio_gemm_argmax_codes8_screened_i8",
-            [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, ctypes.c_float, _i64, _i64, _i64, _ptr, _int],
+            [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, ctypes.c_float, _i64, _i64, _i64, _ptr, _int],
             _int,
         )
         self._block_n = int(_bind(lib, "folio_gemm_block_n", [], _int)())
@@ -325,22 +325,27 @@ class CpuGemm:
         )  # fmt: skip
         return out if status == 0 else None
 
-    def argmax_codes8_screened(self, x: torch.Tensor, head: Codes8Head) -> tuple[torch.Tensor | None, int]:
+    def argmax_codes8_screened(
+        self, x: torch.Tensor, head: Codes8Head, plain: PackedWeight | None = None
+    ) -> tuple[torch.Tensor | None, int]:
         """``argmax_codes8`` of float32 x [T, k] through the int8 screen where the head has its layout
         (gemm_codes8_screen_vnni.h: AVX512-VNNI without AMX), else the int16 one (gemm_codes8_screen.h: AVX2): the
         same token; also the kernel's status: 0 screened, 1 the exact path taken instead (non-finite, huge or tiny
         rows, too many candidates), -1 not run (T > 256; the int8 screen also T <= 8, one row tile, where
-        ``argmax_codes8`` is faster), -2 not in this library."""
+        ``argmax_codes8`` is faster), -2 not in this library. ``plain``: the same weight in the float32 layout,
+        which the int8 screen's rescore then reads instead of widening the codes' blocks."""
         if x.dtype != torch.float32:
             return None, -1
         x = _as_rows(x)
         out = torch.empty(x.shape[0], dtype=torch.int64)
         if head.quads is not None and head.group_abs_sum is not None:  # the int8 screen, where the library has it
+            float32_layout = plain is not None and not plain.codes4 and plain.data.dtype == torch.float32
             status = int(
                 self._argmax_codes8_screened_i8(
-                    x.data_ptr(), x.stride(0), head.data.data_ptr(), head.quads.data_ptr(), head.col_abs_sum.data_ptr(),
-                    head.group_abs_sum.data_ptr(), head.w_abs_max, x.shape[0], head.n, head.k, out.data_ptr(),
-                    torch.get_num_threads(),
+                    x.data_ptr(), x.stride(0), head.data.data_ptr(), head.quads.data_ptr(),
+                    plain.data.data_ptr() if plain is not None and float32_layout else None,
+                    head.col_abs_sum.data_ptr(), head.group_abs_sum.data_ptr(), head.w_abs_max, x.shape[0], head.n,
+                    head.k, out.data_ptr(), torch.get_num_threads(),
                 )
             )  # fmt: skip
             return (out if status in (0, 1) else None), status

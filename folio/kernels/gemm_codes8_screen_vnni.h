@@ -122,15 +122,17 @@ void folio_gemm_pack_codes8_quads(const uint8_t *packed, int64_t n, int64_t k, u
     }
 }
 
-/* out_ids as folio_gemm_argmax_codes8 over the same codes (`packed`; `quads` the same in the layout above), for
+/* out_ids as folio_gemm_argmax_codes8 over the same codes (`packed`; `quads` the same in the layout above; the
+ * rescore reads packed_f32, the same weight in the float32 layout, where given, else widens `packed`'s blocks), for
  * TILE_M < m <= CHUNK_M rows, by screening in int8 and rescoring in float32; col_abs_sum[v] >= ||w_v||_1,
  * group_abs_sum[g * n_pad + v] >= the L1 norm of column v's group g (n_pad = the blocks' columns, zero past n) and
  * w_abs_max >= max |w|. Returns 0 when screened, 1 when it took the exact path (non-finite, huge or tiny rows, too
  * many candidates), -1 when neither ran (m out of range, no memory), -2 in a library without the body. The next
  * block's codes are asked for (prefetcht1), a share per row tile: 789-805 -> 911-917 GFLOP/s at 64 rows. */
 int folio_gemm_argmax_codes8_screened_i8(const float *x, int64_t lda, const uint8_t *packed, const uint8_t *quads,
-                                         const float *col_abs_sum, const float *group_abs_sum, float w_abs_max,
-                                         int64_t m, int64_t n, int64_t k, int64_t *out_ids, int num_threads) {
+                                         const float *packed_f32, const float *col_abs_sum,
+                                         const float *group_abs_sum, float w_abs_max, int64_t m, int64_t n, int64_t k,
+                                         int64_t *out_ids, int num_threads) {
 #if GEMM_I8_SCREEN
     /* one row tile or fewer: folio_gemm_argmax_codes8 in registers is faster (SmolLM2's head at 8 rows 356 against
      * 306 GFLOP/s, at 16 368 against 524: benchmarks/lm_head_argmax.py, Zen 5) */
@@ -192,8 +194,8 @@ int folio_gemm_argmax_codes8_screened_i8(const float *x, int64_t lda, const uint
         status = folio_gemm_argmax_codes8(x, lda, packed, m, n, k, 1, out_ids, num_threads) == 0 ? 1 : -1;
         goto done;
     }
-    screen_rescore(x, lda, NULL, packed, &buf, screen_pairs(&buf, threads, m, nblocks, BLOCK_N), m, n, k, num_threads,
-                   out_ids);
+    screen_rescore(x, lda, packed_f32, packed, &buf, screen_pairs(&buf, threads, m, nblocks, BLOCK_N), m, n, k,
+                   num_threads, out_ids);
     status = 0;
 done:
     free(xq);
@@ -201,7 +203,8 @@ done:
     screen_buffers_free(&buf);
     return status;
 #else
-    (void)x, (void)lda, (void)packed, (void)quads, (void)col_abs_sum, (void)group_abs_sum, (void)w_abs_max, (void)m;
+    (void)x, (void)lda, (void)packed, (void)quads, (void)packed_f32, (void)col_abs_sum, (void)group_abs_sum, (void)m;
+    (void)w_abs_max;
     (void)n, (void)k, (void)out_ids, (void)num_threads;
     return -2;
 #endif

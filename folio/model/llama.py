@@ -215,7 +215,9 @@ class LlamaForCausalLM(nn.Module):
         if not isinstance(head, PackedWeight) or (self.lm_head is not None and self.lm_head.bias is not None):
             return None
         if (codes8 := self.lm_head_codes8) is not None:
-            screened = head.gemm.argmax_codes8_screened(hidden, codes8)[0] if self.lm_head_codes8_screened else None
+            screened = (
+                head.gemm.argmax_codes8_screened(hidden, codes8, head)[0] if self.lm_head_codes8_screened else None
+            )
             if screened is not None:
                 return screened
             # beyond one row tile the bfloat16 screen, where the plan has it, beats any float32 arg-max

@@ -68,9 +68,9 @@ def _head(gemm: CpuGemm, w: torch.Tensor) -> Codes8Head:
 
 
 def _expect(library: Library, x: torch.Tensor, w: torch.Tensor, status: int = 0) -> torch.Tensor:
-    """Screened ids == the codes' float32 arg-max == the float32 layout's == torch.argmax of the float32 GEMM's
-    logits (first of equals, where a row has a finite logit); the status is `status` where the library has a
-    screen, -2 elsewhere."""
+    """Screened ids (rescored over the codes' blocks widened, and over the float32 layout) == the codes' float32
+    arg-max == the float32 layout's == torch.argmax of the float32 GEMM's logits (first of equals, where a row has a
+    finite logit); the status is `status` where the library has a screen, -2 elsewhere."""
     gemm = library.gemm
     head = _head(gemm, w)
     assert (head.quads is not None) == (library.screen == "int8")
@@ -83,6 +83,9 @@ def _expect(library: Library, x: torch.Tensor, w: torch.Tensor, status: int = 0)
         return torch.empty(0)
     assert got_status == status and got is not None
     [plain] = gemm.pack_all([w])
+    # the rescore over the float32 layout where given (the engine's tied head), not the codes' blocks widened
+    again, again_status = gemm.argmax_codes8_screened(x, head, plain)
+    assert again_status == status and again is not None and torch.equal(again, got)
     assert torch.equal(got, gemm.argmax(x, plain))
     assert torch.equal(got, gemm.argmax_codes8(x, head))
     logits = gemm.linear(x, plain, None, out_dtype=torch.float32).nan_to_num(nan=-float("inf"))
