@@ -161,24 +161,16 @@ int folio_gemm_argmax_codes8_screened(const float *x, int64_t lda, const uint8_t
         return -1;
     }
     int status = -1;
-    float *row_scale = buf.row_scale, *row_slack = buf.row_slack, *row_step = buf.row_step;
+    float *row_step = buf.row_step;
     const double u = 0x1p-24, gk = (double)k * u / (1.0 - (double)k * u);
     const double gg = (double)(groups + 2) * u / (1.0 - (double)(groups + 2) * u);
     const double c = (0.51 / I16_X_MAX + gg * (1.0 + 1e-4) + gk + 4.0 * u) * 1.01;
     int sane = screen_sane(w_abs_max);
     for (int64_t r = 0; r < m; ++r) {
-        double amax = 0.0, total = 0.0; /* the total carries a NaN, which the max would skip */
-        for (int64_t kk = 0; kk < k; ++kk) {
-            const double v = fabs((double)x[r * lda + kk]);
-            amax = v > amax ? v : amax;
-            total += v;
-        }
-        /* a max below 2^-60 (a zero row among them) would make the step subnormal: the exact path takes it */
-        sane &= screen_sane(amax) & screen_sane(total) & (amax >= 0x1p-60);
+        double amax;
+        sane &= screen_row(x + r * lda, k, c, w_abs_max, &buf, r, &amax);
         const float step = (float)(amax / I16_X_MAX);
         row_step[r] = step;
-        row_scale[r] = (float)(c * amax * (1.0 + 1e-6));
-        row_slack[r] = (float)((double)k * 0x1p-124 * (1.0 + (double)w_abs_max + amax));
         for (int64_t kk = 0; kk < k; ++kk) {
             double q = sane ? rint((double)x[r * lda + kk] / (double)step) : 0.0;
             q = q > I16_X_MAX ? I16_X_MAX : (q < -I16_X_MAX ? -I16_X_MAX : q);

@@ -153,16 +153,8 @@ int folio_gemm_argmax_codes8_screened_i8(const float *x, int64_t lda, const uint
     const double c = (gg * 1.004 + gk + 4.0 * u) * 1.01;
     int sane = screen_sane(w_abs_max);
     for (int64_t r = 0; r < m; ++r) {
-        double amax = 0.0, total = 0.0; /* the total carries a NaN, which the max would skip */
-        for (int64_t kk = 0; kk < k; ++kk) {
-            const double v = fabs((double)x[r * lda + kk]);
-            amax = v > amax ? v : amax;
-            total += v;
-        }
-        /* a max below 2^-60 (a zero row among them) would make a step subnormal: the exact path takes it */
-        sane &= screen_sane(amax) & screen_sane(total) & (amax >= 0x1p-60);
-        buf.row_scale[r] = (float)(c * amax * (1.0 + 1e-6));
-        buf.row_slack[r] = (float)((double)k * 0x1p-124 * (1.0 + (double)w_abs_max + amax));
+        double amax;
+        sane &= screen_row(x + r * lda, k, c, w_abs_max, &buf, r, &amax);
         for (int64_t g = 0; g < ngroups; ++g) {
             const float *xg = x + r * lda + g * CODES4_GROUP;
             double gmax = 0.0;

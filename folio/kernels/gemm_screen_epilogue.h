@@ -79,6 +79,33 @@ static inline int screen_buffers_alloc(ScreenBuffers *b, int64_t threads, int64_
     return 0;
 }
 
+/* Whether a float is finite and below 2^100 in magnitude, by its bits: -ffast-math lets the compiler assume
+ * isfinite() is always true. */
+static inline int screen_sane(double v) {
+    float f = (float)v;
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    return ((bits >> 23) & 0xffu) < 127u + 100u;
+}
+
+/* Row r of x (k values): its largest |x| into *amax and its bound's factors into buf (row_scale = c max |x|, enlarged
+ * for its float32 rounding; row_slack for flushed subnormals, < 2^-126 (1 + max |w| + max |x|) a term); returns
+ * whether an integer screen may take the row: finite, below 2^100, and a max of at least 2^-60 (below, a zero row
+ * among them, a step would be subnormal: the exact path takes it). */
+static inline int screen_row(const float *x, int64_t k, double c, float w_abs_max, const ScreenBuffers *buf,
+                             int64_t r, double *amax_out) {
+    double amax = 0.0, total = 0.0; /* the total carries a NaN, which the max would skip */
+    for (int64_t kk = 0; kk < k; ++kk) {
+        const double v = fabs((double)x[kk]);
+        amax = v > amax ? v : amax;
+        total += v;
+    }
+    buf->row_scale[r] = (float)(c * amax * (1.0 + 1e-6));
+    buf->row_slack[r] = (float)((double)k * 0x1p-124 * (1.0 + (double)w_abs_max + amax));
+    *amax_out = amax;
+    return screen_sane(amax) & screen_sane(total) & (amax >= 0x1p-60);
+}
+
 /* Thread tid's screening state over the buffers, with the columns' norms w_norm. */
 static inline ScreenState screen_state(const ScreenBuffers *b, const float *w_norm, int64_t tid, int64_t m) {
     return (ScreenState){w_norm,
@@ -91,14 +118,6 @@ static inline ScreenState screen_state(const ScreenBuffers *b, const float *w_no
                          0};
 }
 
-/* Whether a float is finite and below 2^100 in magnitude, by its bits: -ffast-math lets the compiler assume
- * isfinite() is always true. */
-static inline int screen_sane(double v) {
-    float f = (float)v;
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    return ((bits >> 23) & 0xffu) < 127u + 100u;
-}
 
 #if GEMM_VEC_BITS == 512
 /* One row's sums S of 16 columns from col (the lanes of mask) into its threshold and candidates, with the bound
