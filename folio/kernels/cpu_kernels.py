@@ -96,13 +96,14 @@ def load_cpu_kernels(tier: IsaTier | None, dtype: torch.dtype, extensions: tuple
     built = tier if lib is None else library_tier(lib)
     if built != tier:
         logger.warning("the %s kernel library reports tier %s", tier.flag_name, built.flag_name)
-    int8_screen = lib is not None and CpuGemm(lib).codes8_has_i8_screen
+    gemm = None if lib is None else CpuGemm(lib)
+    int8_screen = gemm is not None and gemm.codes8_has_i8_screen  # a property of the build, as its tier
     plan = choose_cpu_plan(built, str(dtype).removeprefix("torch."), lib is not None, onednn_available(), int8_screen)
     return CpuKernels(
         plan=plan,
         lib=lib,
         dtype=dtype,
-        gemm=CpuGemm(lib) if lib is not None and plan.gemm == "folio" else None,
+        gemm=gemm if plan.gemm == "folio" else None,
         ops=CpuOps(lib, dtype) if lib is not None and plan.elementwise == "folio" else None,
         block_copy=CpuBlockCopy(lib) if lib is not None and plan.kv_block_copy == "folio" else aten_copy_blocks,
         extensions=extensions,

@@ -1,5 +1,6 @@
 /* What the LM head's screens share (gemm_argmax_screen.h: bfloat16 on avx512_bf16; gemm_codes8_screen.h: int16 on
- * AVX2): the per-thread state a screening tile's sums go into instead of memory, and the candidates it leaves.
+ * AVX2; gemm_codes8_screen_vnni.h: int8 with AVX512-VNNI): the per-thread state a screening tile's sums go into
+ * instead of memory, and the candidates it leaves.
  * Included by cpu_gemm.c before its tiles' store16. */
 #if GEMM_VEC_BITS > 0
 #define SCREEN_CAP 2048 /* candidate slots per row per thread before the exact path takes over */
@@ -117,7 +118,6 @@ static inline ScreenState screen_state(const ScreenBuffers *b, const float *w_no
                          b->cand_count + tid * m,
                          0};
 }
-
 
 #if GEMM_VEC_BITS == 512
 /* One row's sums S of 16 columns from col (the lanes of mask) into its threshold and candidates, with the bound
