@@ -1,18 +1,17 @@
-"""Worker: device setup, model load, KV-cache sizing (CUDA profiling; budget in blocks: kv_budget.py), execute_model."""
+"""Worker: device setup, model load (its CPU kernels: cpu_kernel_setup.py), KV-cache sizing (CUDA profiling; budget in
+blocks: kv_budget.py), execute_model."""
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import replace
 
 import torch
 
 from folio.attention.builder import assign_contiguous_blocks, build_attn_metadata, compute_positions
 from folio.config import EngineConfig
 from folio.core.sched_output import ModelRunnerOutput, SchedulerOutput
-from folio.kernels.cpu_kernels import CPU_KERNEL_DTYPES, CpuKernels, load_cpu_kernels
-from folio.kernels.cpu_plan import check_cpu_dtype
+from folio.kernels.cpu_kernels import CpuKernels
 from folio.model.llama import LlamaForCausalLM
 from folio.model.loader import ModelSpec, load_model
 from folio.model.noop import NoopCausalLM
@@ -20,6 +19,7 @@ from folio.parallel.group import RankGroup
 from folio.parallel.pipeline_parallel import PipelineStage, apply_pipeline_parallel
 from folio.parallel.tensor_parallel import ShardPlan, apply_tensor_parallel
 from folio.spec_decode.ngram_proposer import NgramProposer
+from folio.worker.cpu_kernel_setup import engine_cpu_kernels
 from folio.worker.cpu_threads import CpuThreadGovernor
 from folio.worker.device import resolve_device, resolve_dtype, resolve_kv_cache_dtype
 from folio.worker.draft_runner import DraftModelRunner, load_draft_model
@@ -274,7 +274,13 @@ class Worker:
             return NoopCausalLM(spec, self.dtype, self.device), spec
         logger.info("Loading %s as %s on %s", self.config.model_config.model, self.dtype, self.device)
         model_config = self.config.model_config
-        self.cpu_kernels = self._cpu_kernels()  # the draft model's too
+        self.cpu_kernels = engine_cpu_kernels(  # the draft model's too
+            self.config.cpu_config,
+            self.device,
+            self.dtype,
+            self.config.model_config.enforce_eager,
+            pipelined=self.stage is not None,
+        )
         model, spec = load_model(
             model_config.model,
             self.dtype,
@@ -296,27 +302,6 @@ class Worker:
             apply_tensor_parallel(model, self.group, self.config.parallel_config.tensor_parallel_uneven_heads)
         if self.stage is not None:
             apply_pipeline_parallel(model, self.stage)
-
-    def _cpu_kernels(self) -> CpuKernels | None:
-        """On the CPU, the kernels of the --cpu-isa tier for the model's dtype; logs the tier and the plan."""
-        if self.device.type != "cpu" or self.dtype not in CPU_KERNEL_DTYPES:
-            return None
-        # the library and plan are the process's (cached); where this engine's memory goes is its own
-        cpu_config = self.config.cpu_config
-        kernels = load_cpu_kernels(cpu_config.tier(), self.dtype, cpu_config.extensions())
-        kernels = replace(
-            kernels,
-            plan=kernels.plan.with_kv_prefetch_bytes(cpu_config.kv_prefetch_bytes),
-            huge_pages=cpu_config.huge_pages,
-            compact_weights=cpu_config.compact_weights,
-            amx_float32=cpu_config.amx_float32,
-            vnni_float32=cpu_config.vnni_float32,
-        )
-        check_cpu_dtype(kernels.plan.dtype_name, kernels.tier)
-        eager = " (fused decoder off: enforce_eager)" if self.config.model_config.enforce_eager else ""
-        eager = " (fused decoder off: layer by layer across pipeline stages)" if self.stage is not None else eager
-        logger.info("%s%s", kernels.describe(), eager)
-        return kernels
 
     def determine_num_blocks(self) -> int:
         """Blocks that fit the KV budget: an override, kv_cache_memory_bytes, or the device's default."""
