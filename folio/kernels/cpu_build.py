@@ -26,6 +26,7 @@ from folio.kernels.isa import (
     compile_flags,
     cpu_info,
     cpu_isa_extensions,
+    cpu_isa_tier_name,
     detect_tier,
     is_x86_64,
 )
@@ -117,7 +118,7 @@ def load_kernel_library(name: str, tier: IsaTier | None = None, extensions: tupl
 def load_cpu_isa_library(cpu_isa: str) -> ctypes.CDLL | None:
     """The kernel library of a ``--cpu-isa`` name other than auto, extensions included ("avx2+avx_vnni"): for
     benchmarks that compare libraries side by side."""
-    tier = IsaTier[cpu_isa.split("+")[0].upper()]
+    tier = IsaTier[cpu_isa_tier_name(cpu_isa).upper()]
     return load_kernel_library("cpu_kernels", tier, cpu_isa_extensions(cpu_isa))
 
 

@@ -52,8 +52,9 @@ def _abs_max_rounded_up(weight: torch.Tensor) -> float | None:
 
 
 def _row_norms_rounded_up(weight: torch.Tensor, norm: Any) -> torch.Tensor:
-    """norm(rows) (float64 per row) over a slice of rows at a time (the whole weight widened was 226 MB for
-    SmolLM2's LM head), rounded up to float32 [n]: the screens' bound must hold for the norms the kernel is given."""
+    """norm(rows) (float64 per row, or per row and group) over a slice of rows at a time (the whole weight widened
+    was 226 MB for SmolLM2's LM head), rounded up to float32 [n, ...]: the screens' bound must hold for the norms the
+    kernel is given."""
     norms = torch.cat([norm(rows) for rows in weight.split(_SCREEN_NORM_ROWS)])
     return (norms * (1 + 1e-6)).float().contiguous()
 
@@ -302,13 +303,9 @@ class CpuGemm:
         self._pack_codes8_quads(data.data_ptr(), n, k, quads.data_ptr())
         n_pad = -(-n // self._block_n) * self._block_n
         group_abs_sum = torch.zeros(k // 32, n_pad, dtype=torch.float32)
-        group_norms = torch.cat(
-            [
-                rows.abs().view(-1, k // 32, 32).sum(dim=2, dtype=torch.float64)
-                for rows in weight.split(_SCREEN_NORM_ROWS)
-            ]
-        )
-        group_abs_sum[:, :n] = (group_norms * (1 + 1e-6)).float().T
+        group_abs_sum[:, :n] = _row_norms_rounded_up(
+            weight, lambda rows: rows.abs().view(-1, k // 32, 32).sum(dim=2, dtype=torch.float64)
+        ).T
         return Codes8Head(data, n, k, col_abs_sum, w_abs_max, quads, group_abs_sum)
 
     def argmax_codes8(self, x: torch.Tensor, head: Codes8Head, widened: bool = True) -> torch.Tensor | None:

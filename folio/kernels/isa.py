@@ -111,6 +111,11 @@ def detect_tier(flags: frozenset[str], x86_64: bool = True) -> IsaTier:
     return best
 
 
+def cpu_isa_tier_name(requested: str) -> str:
+    """The tier ``--cpu-isa`` names before its extensions ("avx2+avx_vnni" -> "avx2")."""
+    return requested.split("+")[0]
+
+
 def cpu_isa_extensions(requested: str) -> tuple[str, ...]:
     """The extensions ``--cpu-isa`` names after its tier ("avx2+avx_vnni" -> ("avx_vnni",))."""
     return tuple(requested.split("+")[1:])
@@ -127,7 +132,7 @@ def resolve_cpu_isa(requested: str, flags: frozenset[str], x86_64: bool = True) 
         return native
     if requested not in CPU_ISA_CHOICES:
         raise ValueError(f"cpu_isa must be one of {', '.join(CPU_ISA_CHOICES)}; got {requested!r}")
-    tier = IsaTier[requested.split("+")[0].upper()]
+    tier = IsaTier[cpu_isa_tier_name(requested).upper()]
     if tier > native:
         missing = sorted({f for t in IsaTier if t <= tier for f in _REQUIRED_FLAGS[t]} - flags)
         raise ValueError(
